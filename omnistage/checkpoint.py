@@ -1,0 +1,94 @@
+"""HF checkpoint folders: resolve (local path or hub id), read configs, stream safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory, or a hub id downloaded with huggingface_hub (clear error offline)."""
+    if not isinstance(model, str) or not model:
+        raise ValueError("model: must be a non-empty path or hub id")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {model!r} has no config.json")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"model: {model!r} is not a checkpoint directory "
+                         "(and not a hub id of the form 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    try:
+        local = snapshot_download(model, allow_patterns=[
+            "*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "spk_dict.pt"])
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ValueError(f"model: cannot download {model!r} from the hub "
+                         f"({type(e).__name__}: {e}); pass a local checkpoint directory") from e
+    return Path(local)
+
+
+def read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_config(path: Path) -> dict:
+    return read_json(path / "config.json")
+
+
+def load_generation_config(path: Path) -> dict:
+    p = path / "generation_config.json"
+    return read_json(p) if p.is_file() else {}
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index)["weight_map"].values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise ValueError(f"model: shards listed in the index are missing: {missing}")
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise ValueError(f"model: no .safetensors weights in {path}")
+    return found
+
+
+def iter_tensors(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor whose name starts with `prefix` (prefix stripped)."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    yield name[len(prefix):], f.get_tensor(name)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(generation_config: dict, config: dict, tokenizer) -> set[int]:
+    """Stop set: generation_config eos ∪ tokenizer eos (∪ config eos when no generation_config)."""
+    ids: set[int] = set()
+    for src in (generation_config.get("eos_token_id"),
+                None if generation_config else config.get("eos_token_id")):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(int(i) for i in src)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

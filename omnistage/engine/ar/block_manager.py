@@ -1,0 +1,121 @@
+"""Paged KV blocks: reference counts, hash-chained prefix cache of full blocks, O(1) LRU reuse.
+
+NOTE: a block whose ref count drops to 0 keeps its KV and hash and goes to the back of the free
+list; allocation takes from the front, evicting the least recently freed cached block. A cache
+hit on a free block pulls it out of the list in O(1) (OrderedDict)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from omnistage.engine.ar.sequence import Sequence
+
+
+def block_hash(parent: bytes, token_ids: list[int], extra: list[tuple[int, bytes]]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for offset, content in extra:  # media overlapping the block: where it starts + what it is
+        h.update(offset.to_bytes(8, "little", signed=True))
+        h.update(content)
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hit_tokens = 0  # prefix-cache hits, in tokens (metric)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now (truly free + evictable cached ones)."""
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # ---------------------------------------------------------------- prefix cache
+    def _full_block_hashes(self, seq: Sequence, upto_blocks: int) -> list[bytes]:
+        bs = self.block_size
+        hashes = seq.block_hashes[:upto_blocks]
+        parent = hashes[-1] if hashes else b""
+        for b in range(len(hashes), upto_blocks):
+            start, end = b * bs, (b + 1) * bs
+            ids = [seq.token_id(i) for i in range(start, end)]
+            extra = [(m.start - start, m.content_hash) for m in seq.media
+                     if m.start < end and m.end > start]
+            parent = block_hash(parent, ids, extra)
+            hashes.append(parent)
+        seq.block_hashes = hashes
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest full-block prefix, leaving >= 1 token to compute."""
+        if not (self.enable_prefix_caching and seq.cacheable):
+            return []
+        upto = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._full_block_hashes(seq, upto):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---------------------------------------------------------------- allocation
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Room for the seq to hold `num_tokens` tokens, given prefix hits `cached` (unowned yet)."""
+        hits_in_free = sum(1 for b in cached if self.ref_count[b] == 0)
+        need = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached))
+        return need <= len(self.free) - hits_in_free
+
+    def take_cached(self, seq: Sequence, cached: list[int]) -> None:
+        for b in cached:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+            seq.block_table.append(b)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.hit_tokens += seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow seq's block table to hold `num_tokens` tokens (caller checked can_allocate)."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            b, _ = self.free.popitem(last=False)
+            old = self.hash_of[b]
+            if old is not None:  # evict its cached content
+                if self.hash_to_block.get(old) == b:
+                    del self.hash_to_block[old]
+                self.hash_of[b] = None
+            self.ref_count[b] = 1
+            seq.block_table.append(b)
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the hashes of blocks that became full and computed in the last step."""
+        if not (self.enable_prefix_caching and seq.cacheable):
+            return
+        full = seq.num_computed_tokens // self.block_size
+        hashes = self._full_block_hashes(seq, full)
+        for b in range(full):
+            block = seq.block_table[b]
+            if self.hash_of[block] is None:
+                self.hash_of[block] = hashes[b]
+                self.hash_to_block.setdefault(hashes[b], block)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the seq's references; blocks at ref 0 become free (cached ones stay reusable).
+        Freed in reverse so a sequence's tail is evicted before its shared head."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0

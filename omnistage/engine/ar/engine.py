@@ -1,0 +1,151 @@
+"""The AR stage engine: step() = schedule -> execute -> update. One instance per AR stage."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.engine.ar.block_manager import BlockManager
+from omnistage.engine.ar.detokenizer import DetokState, detokenize_step, find_stop
+from omnistage.engine.ar.model_runner import ModelRunner
+from omnistage.engine.ar.scheduler import EngineConfig, Scheduler
+from omnistage.engine.ar.sequence import Sequence
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    hidden: tuple[int, torch.Tensor] | None = None  # (first position, rows [n, D]) on device
+
+
+class AREngine:
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 tokenizer=None, eos_token_ids: set[int] | None = None) -> None:
+        config.validate()
+        self.config, self.tokenizer = config, tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids or ())
+        self.runner = ModelRunner(model, config, device, dtype)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
+                                   config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, DetokState] = {}
+        self.num_steps = 0
+        self._arrivals = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id: {seq.request_id!r} is already running")
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("prompt: is empty")
+        if seq.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt: {seq.num_prompt_tokens} tokens; this stage's "
+                             f"max_model_len is {self.config.max_model_len}")
+        if not seq.params.ignore_eos:
+            seq.stop_token_ids = seq.stop_token_ids | self.eos_token_ids
+        seq.stop_token_ids = seq.stop_token_ids | frozenset(seq.params.stop_token_ids)
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self.seqs[seq.request_id] = seq
+        self.detok[seq.request_id] = DetokState()
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.detok.pop(request_id, None)
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    @staticmethod
+    def new_seed() -> int:
+        return random.SystemRandom().getrandbits(63)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[SequenceUpdate]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        result = self.runner.execute(batch)
+        self.num_steps += 1
+        updates = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+            token = result.sampled.get(seq.request_id)
+            hidden = result.hidden.get(seq.request_id)
+            if token is None and hidden is None:
+                continue
+            update = SequenceUpdate(seq.request_id, [], "", False, hidden=hidden)
+            if token is not None:
+                self._append_token(seq, token, update)
+            updates.append(update)
+        return updates
+
+    def _append_token(self, seq: Sequence, token: int, update: SequenceUpdate) -> None:
+        seq.output_token_ids.append(token)
+        update.new_token_ids.append(token)
+        p, n_out = seq.params, len(seq.output_token_ids)
+        reason = None
+        if token in seq.stop_token_ids and n_out >= p.min_tokens:
+            reason = "stop"
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or \
+                seq.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        if self.tokenizer is not None:
+            new = detokenize_step(self.tokenizer, seq.output_token_ids,
+                                  self.detok[seq.request_id], p.skip_special_tokens)
+            if reason is None and p.stop and new:
+                text = seq.output_text + new
+                cut = find_stop(text, len(new), p.stop)
+                if cut is not None:
+                    keep = cut + (len(next(s for s in p.stop if text.startswith(s, cut)))
+                                  if p.include_stop_str_in_output else 0)
+                    new = text[len(seq.output_text):keep]
+                    reason = "stop"
+            seq.output_text += new
+            update.new_text = new
+        if reason is not None:
+            self._finish(seq, reason, update)
+
+    def _finish(self, seq: Sequence, reason: str, update: SequenceUpdate,
+                error: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        self.detok.pop(seq.request_id, None)
+        update.finished, update.finish_reason, update.error = True, reason, error
+        seq.error = error
+
+    def fail(self, request_id: str, error: str) -> SequenceUpdate | None:
+        """End one request with an error (the others go on)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        update = SequenceUpdate(request_id, [], "", False)
+        self._finish(seq, "error", update, error)
+        return update
+
+    # ---------------------------------------------------------------- metrics
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"num_steps": self.num_steps, "num_forwards": self.runner.num_forwards,
+                "prefix_cache_hit_tokens": self.blocks.hit_tokens,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_free_blocks": self.blocks.num_free_blocks,
+                "num_kv_blocks": self.blocks.num_blocks,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting)}

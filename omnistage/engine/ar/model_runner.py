@@ -1,0 +1,166 @@
+"""Owns the model and its paged KV cache; turns a ScheduledBatch into one forward + sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.engine.ar.attention import AttentionMetadata
+from omnistage.engine.ar.sampler import SamplingTensors, sample
+from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
+from omnistage.engine.ar.sequence import Sequence
+from omnistage.models.interface import ForwardBatch
+
+CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks is unset
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]  # request_id -> new token (seqs that reached the end of their tokens)
+    hidden: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, rows [n, D])
+
+
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    layers, n_kv, hd = model.kv_shape
+    return 2 * layers * block_size * n_kv * hd * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.num_blocks = self._num_blocks()
+        layers, n_kv, hd = model.kv_shape
+        shape = (layers, self.num_blocks, config.block_size, n_kv, hd)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        self.uses_mrope = getattr(model.config, "mrope_section", None) is not None
+        self.num_forwards = 0
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model, c.block_size, self.dtype)
+        want = c.max_num_seqs * -(-c.max_model_len // c.block_size) + 1
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * (c.kv_cache_memory_fraction or 0.9))
+        else:
+            budget = CPU_KV_BUDGET_BYTES
+        n = min(want, budget // per_block)
+        if n < -(-c.max_model_len // c.block_size):
+            raise ValueError(f"num_kv_blocks: memory for {n} blocks cannot hold one sequence of "
+                             f"max_model_len={c.max_model_len}; lower max_model_len")
+        return n
+
+    # ---------------------------------------------------------------- inputs
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+        bs = self.config.block_size
+        ids, pos, slots, q_lens, kv_lens, sample_rows = [], [], [], [], [], []
+        mrope_parts: list[torch.Tensor] = []
+        embeds_rows, add_rows, any_embeds, any_add = [], [], False, False
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_id(i) for i in range(start, end))
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[i // bs] * bs + i % bs for i in range(start, end))
+            q_lens.append(n)
+            kv_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+            if self.uses_mrope:
+                mrope_parts.append(_mrope_slice(seq, start, end))
+            embeds_rows.append(_embeds_slice(seq, start, end))
+            any_embeds |= embeds_rows[-1] is not None
+            rows = seq.input_source.rows(seq, start, end) if seq.input_source else None
+            add_rows.append(rows)
+            any_add |= rows is not None
+        dev = self.device
+        T = len(ids)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.zeros(len(batch.seqs), max_blocks, dtype=torch.int32)
+        for r, s in enumerate(batch.seqs):
+            tables[r, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            query_start_loc=qsl.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(kv_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True), query_lens_cpu=q_lens,
+            seq_lens_cpu=kv_lens, max_query_len=max(q_lens), decode_only=max(q_lens) == 1)
+        positions = (torch.cat(mrope_parts, dim=1).to(dev) if self.uses_mrope
+                     else torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True))
+        fb = ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                          positions=positions, attn=meta)
+        if any_embeds:
+            fb.inputs_embeds, fb.embeds_mask = self._stack_embeds(embeds_rows, q_lens, T)
+        if any_add:
+            fb.additive_embeds = self._stack_additive(add_rows, q_lens)
+        return fb, sample_rows
+
+    def _stack_embeds(self, rows, q_lens, T):
+        width = next(r[0].shape[-1] for r in rows if r is not None)
+        embeds = torch.zeros(T, width, dtype=self.dtype, device=self.device)
+        mask = torch.zeros(T, dtype=torch.bool, device=self.device)
+        off = 0
+        for r, n in zip(rows, q_lens):
+            if r is not None:
+                e, m = r
+                embeds[off:off + e.shape[0]] = e.to(self.dtype)
+                mask[off:off + m.shape[0]] = m
+            off += n
+        return embeds, mask
+
+    def _stack_additive(self, rows, q_lens):
+        width = next(r.shape[-1] for r in rows if r is not None)
+        parts = [r.to(self.device, self.dtype) if r is not None
+                 else torch.zeros(n, width, dtype=self.dtype, device=self.device)
+                 for r, n in zip(rows, q_lens)]
+        return torch.cat(parts)
+
+    # ---------------------------------------------------------------- step
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        fb, sample_rows = self.prepare(batch)
+        hidden = self.model(fb)
+        self.num_forwards += 1
+        result = StepResult({}, {})
+        samplers = [s for s, n in zip(batch.seqs, batch.num_tokens)
+                    if s.num_computed_tokens + n == s.num_tokens]
+        if samplers:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            t = SamplingTensors.build(samplers, logits.shape[-1], self.device)
+            tokens = sample(logits, t).tolist()
+            result.sampled = {s.request_id: tok for s, tok in zip(samplers, tokens)}
+        off = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.export_hidden:
+                result.hidden[seq.request_id] = (seq.num_computed_tokens, hidden[off:off + n])
+            off += n
+        return result
+
+
+def _mrope_slice(seq: Sequence, start: int, end: int) -> torch.Tensor:
+    # [3, end-start]: prompt positions from the processor, later ones i + rope_delta on all axes
+    p = seq.mrope_positions
+    n_prompt = p.shape[1] if p is not None else 0
+    parts = []
+    if p is not None and start < n_prompt:
+        parts.append(p[:, start:min(end, n_prompt)].cpu())
+    lo = max(start, n_prompt)
+    if lo < end:
+        parts.append(torch.arange(lo, end, dtype=torch.long).add(seq.rope_delta).expand(3, -1))
+    return torch.cat(parts, dim=1)
+
+
+def _embeds_slice(seq: Sequence, start: int, end: int):
+    e = seq.prompt_embeds
+    if e is None or start >= e.shape[0]:
+        return None
+    stop = min(end, e.shape[0])
+    return e[start:stop], seq.prompt_embeds_mask[start:stop]

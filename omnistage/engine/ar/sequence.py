@@ -1,0 +1,93 @@
+"""A request inside one AR stage: its tokens, KV blocks, and optional non-token inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from omnistage.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class InputSource(Protocol):
+    """Rows a stage adapter supplies per position (e.g. the talker's thinker rows).
+
+    ready(seq) -> how many positions (from 0) have their input row; positions at or past it are
+    gated. rows(seq, start, end) -> additive rows [end-start, D] for those positions (device)."""
+
+    def ready(self, seq: Sequence) -> int: ...
+
+    def rows(self, seq: Sequence, start: int, end: int) -> torch.Tensor: ...
+
+
+@dataclass
+class MediaSpan:
+    """Placeholder positions [start, end) whose KV depends on media content, not just ids."""
+
+    start: int
+    end: int
+    content_hash: bytes
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int] = frozenset()
+    # prompt rows replacing token embeddings (encoder outputs), device tensors
+    prompt_embeds: torch.Tensor | None = None  # [P, D]
+    prompt_embeds_mask: torch.Tensor | None = None  # [P] bool
+    media: list[MediaSpan] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None  # [3, P] long; later positions: i + rope_delta
+    rope_delta: int = 0
+    input_source: InputSource | None = None
+    export_hidden: bool = False
+    cacheable: bool = True  # False when the KV depends on inputs the hash cannot see
+    arrival: int = 0  # FCFS order
+
+    # state
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    finish_reason: str | None = None
+    error: str | None = None
+    output_text: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def ready_tokens(self) -> int:
+        """Positions whose inputs exist (the gate for stages fed row by row)."""
+        if self.input_source is None:
+            return self.num_tokens
+        return min(self.num_tokens, self.input_source.ready(self))

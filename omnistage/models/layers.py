@@ -1,0 +1,267 @@
+"""Decoder-only transformer building blocks shared by Qwen2, Llama, and Qwen2.5-Omni's LMs.
+
+Module and parameter names mirror Hugging Face checkpoints (model.layers.N.self_attn.q_proj ...),
+so weights load by name. NOTE: RMSNorm and RoPE run in fp32 whatever the model dtype."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from omnistage.engine.ar.attention import paged_attention, write_kv
+from omnistage.models.interface import ForwardBatch, merge_inputs
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple | None  # frozen items of the rope parameters besides theta
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    mrope_section: tuple[int, ...] | None = None
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, cfg: dict, attention_bias: bool | None = None) -> DecoderConfig:
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        mrope = rope.pop("mrope_section", None)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported "
+                             "(supported: default, llama3, linear)")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("config.use_sliding_window: sliding-window attention is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.hidden_act: {cfg.get('hidden_act')!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=tuple(sorted(rope.items())) if rope_type != "default" else None,
+            attention_bias=(cfg.get("attention_bias", False) if attention_bias is None
+                            else attention_bias),
+            mlp_bias=cfg.get("mlp_bias", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            mrope_section=tuple(mrope) if mrope else None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [T, head_dim] (fp32) for 1-D positions [T] or 3-axis mrope positions [3, T]."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        half = cfg.head_dim // 2
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half)
+        if cfg.rope_scaling:
+            inv_freq = _scaled_inv_freq(inv_freq, dict(cfg.rope_scaling))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if cfg.mrope_section:
+            if sum(cfg.mrope_section) != half:
+                raise ValueError(f"config mrope_section {cfg.mrope_section} must sum to head_dim/2")
+            axis = torch.repeat_interleave(torch.arange(3), torch.tensor(cfg.mrope_section))
+            self.register_buffer("mrope_axis", axis, persistent=False)  # [half]: axis of each freq
+        else:
+            self.mrope_axis = None
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:
+            if self.mrope_axis is None:
+                raise ValueError("3-axis positions given to a model without mrope_section")
+            # NOTE: frequency j rotates with the position of axis mrope_axis[j] (t, h or w)
+            pos = positions.float()[self.mrope_axis].transpose(0, 1)  # [T, half]
+            freqs = pos * self.inv_freq
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    rope_type = p.get("rope_type", p.get("type"))
+    if rope_type == "linear":
+        return inv_freq / p["factor"]
+    # llama3: long wavelengths scaled by `factor`, short kept, smooth in between
+    factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, hd]; cos/sin: [T, hd] fp32
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.k_cache: torch.Tensor | None = None  # bound by the engine: [blocks, block_size, n_kv, hd]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, self.k_cache, self.v_cache, batch.attn.slot_mapping)
+        o = paged_attention(q, self.k_cache, self.v_cache, batch.attn, self.scale)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> layers -> norm (the `model.*` part of a causal LM checkpoint)."""
+
+    def __init__(self, cfg: DecoderConfig, embed_dim: int | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim or cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, D] input rows -> [T, D] final-normed hidden
+        cos, sin = self.rotary_emb(batch.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A plain causal LM on the engine's model interface (models/interface.py)."""
+
+    def __init__(self, hf_config: dict) -> None:
+        super().__init__()
+        self.config = DecoderConfig.from_hf(hf_config, attention_bias=self.attention_bias(hf_config))
+        self.model = DecoderModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_bias(hf_config: dict) -> bool | None:
+        return None  # from the config
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(merge_inputs(self.embed(batch.input_ids), batch), batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to ours (None = not ours, skip)."""
+        return name
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            ours = self.checkpoint_name(name)
+            if ours is None or ours.endswith("rotary_emb.inv_freq"):
+                continue
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            p = params[ours]
+            if p.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+            loaded.add(ours)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")

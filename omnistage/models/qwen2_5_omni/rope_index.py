@@ -1,0 +1,214 @@
+"""TMRoPE: Qwen2.5-Omni's 3-axis (time, height, width) position ids for the thinker prompt.
+
+Text, audio and the start/end tokens around media advance all three axes together by one per
+token. An image (or video) run places its tokens on a (t, h, w) grid of merged patches starting
+at the next free position; the text after it continues at 1 + the largest position used so far.
+Decode positions are `num_tokens_so_far + rope_delta` on all three axes.
+
+Results equal transformers' `Qwen2_5OmniThinkerForConditionalGeneration.get_rope_index` for
+well-formed prompts (each placeholder run has exactly the length its media needs); malformed
+prompts raise ValueError here instead of getting shifted positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Qwen2_5OmniRopeConfig:
+    """The thinker-config fields TMRoPE needs."""
+
+    audio_token_id: int
+    image_token_id: int
+    video_token_id: int
+    audio_start_token_id: int
+    audio_end_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int = 2
+    position_id_per_seconds: float = 25
+    seconds_per_chunk: float = 2.0
+
+    @classmethod
+    def from_thinker_config(cls, cfg: Mapping[str, Any]) -> Qwen2_5OmniRopeConfig:
+        """From a thinker config dict (config.json's `thinker_config`, `*_token_index` or
+        `*_token_id` keys; `spatial_merge_size` top level or in `vision_config`)."""
+        def token(name: str) -> int:
+            for key in (f"{name}_token_id", f"{name}_token_index"):
+                if cfg.get(key) is not None:
+                    return int(cfg[key])
+            raise ValueError(f"thinker config: missing {name}_token_id")
+
+        merge = cfg.get("spatial_merge_size") or (cfg.get("vision_config") or {}).get(
+            "spatial_merge_size", 2)
+        return cls(
+            audio_token_id=token("audio"), image_token_id=token("image"),
+            video_token_id=token("video"),
+            audio_start_token_id=int(cfg["audio_start_token_id"]),
+            audio_end_token_id=int(cfg["audio_end_token_id"]),
+            vision_start_token_id=int(cfg["vision_start_token_id"]),
+            vision_end_token_id=int(cfg["vision_end_token_id"]),
+            spatial_merge_size=int(merge),
+            position_id_per_seconds=cfg.get("position_id_per_seconds", 25),
+            seconds_per_chunk=cfg.get("seconds_per_chunk", 2.0))
+
+
+def audio_tokens_for_frames(num_frames: int) -> int:
+    """Audio encoder output length for `num_frames` mel frames (conv stride 2, then pool 2)."""
+    return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def _vision_grid(start: int, grid_thw: Sequence[int], merge: int, t_step: torch.Tensor
+                 ) -> torch.Tensor:
+    # [3, t*h*w/merge^2] positions of one image/video, row-major over (t, h, w)
+    t, h, w = int(grid_thw[0]), int(grid_thw[1]) // merge, int(grid_thw[2]) // merge
+    tt = t_step.view(-1, 1, 1).expand(t, h, w)
+    hh = torch.arange(h).view(1, -1, 1).expand(t, h, w)
+    ww = torch.arange(w).view(1, 1, -1).expand(t, h, w)
+    return torch.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + start
+
+
+def _run_end(ids: list[int], start: int, token: int) -> int:
+    end = start
+    while end < len(ids) and ids[end] == token:
+        end += 1
+    return end
+
+
+def mrope_positions(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None,
+    audio_seqlens: torch.Tensor | Sequence[int] | None,
+    config: Mapping[str, Any] | Qwen2_5OmniRopeConfig,
+    *,
+    video_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    second_per_grid: torch.Tensor | Sequence[float] | None = None,
+    use_audio_in_video: bool = False,
+) -> tuple[torch.LongTensor, int]:
+    """3-axis positions of one prompt: input_ids [T] -> (positions LongTensor [3, T], rope_delta).
+
+    image_grid_thw [n_images, 3] and video_grid_thw [n_videos, 3] are in patches (before the
+    spatial merge); audio_seqlens [n_audios] are the valid mel frame counts of each audio;
+    second_per_grid [n_videos] seconds per temporal grid step. With `use_audio_in_video`, each
+    video is laid out as `<|vision_bos|><|audio_bos|>` + interleaved video/audio chunks +
+    `<|audio_eos|><|vision_eos|>` and consumes the next audio.
+    """
+    cfg = config if isinstance(config, Qwen2_5OmniRopeConfig) else \
+        Qwen2_5OmniRopeConfig.from_thinker_config(config)
+    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    images = [] if image_grid_thw is None else [list(map(int, g)) for g in image_grid_thw]
+    videos = [] if video_grid_thw is None else [list(map(int, g)) for g in video_grid_thw]
+    audios = [] if audio_seqlens is None else [int(n) for n in audio_seqlens]
+    spg = [] if second_per_grid is None else [float(s) for s in second_per_grid]
+    if videos and len(spg) != len(videos):
+        raise ValueError(f"second_per_grid: need one value per video ({len(videos)}), "
+                         f"got {len(spg)}")
+    merge, pps = cfg.spatial_merge_size, cfg.position_id_per_seconds
+    media = {cfg.audio_token_id, cfg.image_token_id, cfg.video_token_id}
+    pieces: list[torch.Tensor] = []
+    next_pos, i, n_img, n_vid, n_aud = 0, 0, 0, 0, 0
+
+    def emit(block: torch.Tensor) -> None:
+        nonlocal next_pos
+        pieces.append(block)
+        next_pos = int(block.max()) + 1
+
+    def text(n: int) -> None:
+        if n > 0:
+            emit(torch.arange(next_pos, next_pos + n).view(1, -1).expand(3, -1))
+
+    def expect_run(tok: int, start: int, want: int, what: str) -> int:
+        end = _run_end(ids, start, tok)
+        if end - start != want:
+            raise ValueError(f"input_ids: {what} placeholder run at {start} has {end - start} "
+                             f"tokens, its media needs {want}")
+        return end
+
+    def video_t_steps(k: int, t: int) -> torch.Tensor:
+        # float32 math then truncation, as transformers computes it
+        sec = torch.tensor(spg[k], dtype=torch.float32)
+        return (torch.arange(t) * sec * pps).long()
+
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] not in media:
+            j += 1
+        if j == len(ids):
+            text(j - i)
+            break
+        tok = ids[j]
+        if tok == cfg.video_token_id and use_audio_in_video:
+            # NOTE: both start tokens share one position, video and audio each continue from
+            # the next one (their chunk interleaving does not change either's positions), and
+            # both end tokens share the position after the largest one used.
+            if j - i < 2 or ids[j - 2] != cfg.vision_start_token_id or \
+                    ids[j - 1] != cfg.audio_start_token_id:
+                raise ValueError(f"input_ids: video with audio at {j} must follow "
+                                 "<|vision_bos|><|audio_bos|>")
+            if n_vid >= len(videos) or n_aud >= len(audios):
+                raise ValueError("input_ids: more videos with audio than video_grid_thw / "
+                                 "audio_seqlens entries")
+            text(j - 2 - i)
+            bos = next_pos
+            pieces.append(torch.full((3, 2), bos, dtype=torch.long))
+            g = videos[n_vid]
+            vid = _vision_grid(bos + 1, g, merge, video_t_steps(n_vid, g[0]))
+            aud = torch.arange(audio_tokens_for_frames(audios[n_aud])).view(1, -1).expand(3, -1)
+            aud = aud + bos + 1
+            end = j
+            while end < len(ids) and ids[end] in (cfg.video_token_id, cfg.audio_token_id):
+                end += 1
+            block = torch.ones((3, end - j), dtype=torch.long)
+            is_vid = torch.tensor(ids[j:end]) == cfg.video_token_id
+            if int(is_vid.sum()) != vid.shape[1] or int((~is_vid).sum()) != aud.shape[1]:
+                raise ValueError(f"input_ids: video+audio block at {j} has {int(is_vid.sum())} "
+                                 f"video / {int((~is_vid).sum())} audio tokens, its media needs "
+                                 f"{vid.shape[1]} / {aud.shape[1]}")
+            block[:, is_vid], block[:, ~is_vid] = vid, aud
+            pieces.append(block)
+            last = max(int(vid.max()), int(aud.max())) + 1
+            pieces.append(torch.full((3, 2), last, dtype=torch.long))
+            if ids[end:end + 2] != [cfg.audio_end_token_id, cfg.vision_end_token_id]:
+                raise ValueError(f"input_ids: video with audio ending at {end} must be followed "
+                                 "by <|audio_eos|><|vision_eos|>")
+            next_pos, i = last + 1, end + 2
+            n_vid, n_aud = n_vid + 1, n_aud + 1
+            continue
+        text(j - i)
+        if tok == cfg.audio_token_id:
+            if n_aud >= len(audios):
+                raise ValueError(f"input_ids: audio placeholder at {j} has no audio_seqlens entry")
+            n = audio_tokens_for_frames(audios[n_aud])
+            i = expect_run(tok, j, n, f"audio #{n_aud}")
+            text(n)
+            n_aud += 1
+        else:
+            is_image = tok == cfg.image_token_id
+            grids, k = (images, n_img) if is_image else (videos, n_vid)
+            what = f"{'image' if is_image else 'video'} #{k}"
+            if k >= len(grids):
+                raise ValueError(f"input_ids: {what} placeholder at {j} has no grid_thw entry")
+            g = grids[k]
+            steps = (torch.arange(g[0]) * pps).long() if is_image else video_t_steps(k, g[0])
+            i = expect_run(tok, j, g[0] * g[1] * g[2] // merge**2, what)
+            emit(_vision_grid(next_pos, g, merge, steps))
+            n_img, n_vid = (n_img + 1, n_vid) if is_image else (n_img, n_vid + 1)
+    for name, used, given in (("image_grid_thw", n_img, images), ("video_grid_thw", n_vid, videos),
+                              ("audio_seqlens", n_aud, audios)):
+        if used != len(given):
+            raise ValueError(f"{name}: {len(given)} entries but the prompt has {used} "
+                             "placeholder runs")
+    if not pieces:
+        return torch.zeros((3, 0), dtype=torch.long), 0
+    positions = torch.cat(pieces, dim=1)
+    return positions, next_pos - positions.shape[1]
+
+
+def mrope_decode_positions(num_tokens: int, rope_delta: int, n: int = 1) -> torch.LongTensor:
+    """Positions [3, n] of the next n tokens after `num_tokens` tokens (prompt + generated)."""
+    return (torch.arange(num_tokens, num_tokens + n) + rope_delta).view(1, -1).expand(3, -1)

@@ -1,0 +1,44 @@
+"""What generate() returns: one OmniRequestOutput per request, with per-stage outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StageOutput:
+    """One stage's result for one request (tokens for AR stages, audio for code2wav)."""
+
+    stage: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    audio: np.ndarray | None = None  # float32 [samples]
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = 0.0
+    ttft: float | None = None  # seconds to the first text token
+    ttfa: float | None = None  # seconds to the first audio sample
+    e2e: float | None = None
+    tokens_per_stage: dict[str, int] = field(default_factory=dict)
+    seed: int | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class OmniRequestOutput:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
+    stages: dict[str, StageOutput] = field(default_factory=dict)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    finished: bool = False
+    error: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,97 @@
+"""Per-request sampling parameters (vLLM's names, transformers' semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 = greedy. top_k <= 0 = off. Penalties follow transformers (repetition: prompt +
+    output ids, divide positive / multiply negative logits) and vLLM/OpenAI (presence, frequency:
+    output ids only)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # internal: ids that may never be sampled (e.g. the talker's codec bos)
+    suppress_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def validate(self, where: str = "sampling_params", vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the offending field (prefixed with `where`)."""
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{where}.{name}: {why}")
+
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, f"must be a number, got {type(value).__name__}")
+            if value != value or value in (float("inf"), float("-inf")):
+                raise bad(name, "must be finite")
+            return float(value)
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, f"must be an integer, got {type(value).__name__}")
+            return value
+
+        if number("temperature", self.temperature) < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < number("top_p", self.top_p) <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        integer("top_k", self.top_k)
+        if not 0 <= number("min_p", self.min_p) <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) <= 0:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if integer("min_tokens", self.min_tokens) < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
+                raise bad(f"stop[{i}]", f"must be a non-empty string of <= {MAX_STOP_STRING_LEN} chars")
+        for i, t in enumerate(self.stop_token_ids + self.suppress_token_ids):
+            integer(f"stop_token_ids[{i}]", t)
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise bad(f"stop_token_ids[{i}]", f"token id {t} outside the vocabulary")

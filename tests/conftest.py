@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+
+from omnistage.testing.tiny_lm import build_tiny_lm
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """Tiny Qwen2, tied embeddings, saved as 3 safetensors shards + index."""
+    return build_tiny_lm(tmp_path_factory.mktemp("qwen2"), "qwen2", tie_word_embeddings=True,
+                         num_shards=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """Tiny Llama with an untied lm_head."""
+    return build_tiny_lm(tmp_path_factory.mktemp("llama"), "llama", tie_word_embeddings=False)
