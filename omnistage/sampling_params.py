@@ -90,7 +90,8 @@ class SamplingParams:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
-                raise bad(f"stop[{i}]", f"must be a non-empty string of <= {MAX_STOP_STRING_LEN} chars")
+                raise bad(f"stop[{i}]",
+                          f"must be a non-empty string of <= {MAX_STOP_STRING_LEN} chars")
         for i, t in enumerate(self.stop_token_ids + self.suppress_token_ids):
             integer(f"stop_token_ids[{i}]", t)
             if t < 0 or (vocab_size is not None and t >= vocab_size):

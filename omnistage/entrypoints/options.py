@@ -43,15 +43,18 @@ def engine_config(model_max_len: int, *, max_model_len: int | None = None,
                   kv_cache_memory_fraction: float | None = None,
                   enable_prefix_caching: bool = True,
                   enable_chunked_prefill: bool = True) -> EngineConfig:
-    max_len = max_model_len or min(model_max_len, 32768)
+    def pick(value, default):
+        return default if value is None else value
+
+    max_len = pick(max_model_len, min(model_max_len, 32768))
     if isinstance(max_len, int) and max_len > model_max_len:
         raise ValueError(f"max_model_len: {max_len} exceeds the model's "
                          f"max_position_embeddings {model_max_len}")
     default_budget = max_len if not enable_chunked_prefill else 2048
     cfg = EngineConfig(
-        max_model_len=max_len, max_num_seqs=max_num_seqs or 64,
-        max_num_batched_tokens=max_num_batched_tokens or default_budget,
-        block_size=block_size or 16, num_kv_blocks=num_kv_blocks,
+        max_model_len=max_len, max_num_seqs=pick(max_num_seqs, 64),
+        max_num_batched_tokens=pick(max_num_batched_tokens, default_budget),
+        block_size=pick(block_size, 16), num_kv_blocks=num_kv_blocks,
         kv_cache_memory_fraction=kv_cache_memory_fraction,
         enable_prefix_caching=bool(enable_prefix_caching),
         enable_chunked_prefill=bool(enable_chunked_prefill))

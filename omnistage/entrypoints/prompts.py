@@ -24,7 +24,8 @@ def check_prompt_shape(prompt: Any, where: str) -> None:
         raise ValueError(f"{where}: must be a str or a dict, got {type(prompt).__name__}")
     unknown = set(prompt) - PROMPT_KEYS
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(PROMPT_KEYS)}")
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; "
+                         f"allowed: {sorted(PROMPT_KEYS)}")
     sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in prompt]
     if len(sources) != 1:
         raise ValueError(f"{where}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")

@@ -143,7 +143,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
-        self.k_cache: torch.Tensor | None = None  # bound by the engine: [blocks, block_size, n_kv, hd]
+        # bound by the engine: [num_blocks, block_size, n_kv, hd]
+        self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -205,7 +206,8 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
-        self.config = DecoderConfig.from_hf(hf_config, attention_bias=self.attention_bias(hf_config))
+        self.config = DecoderConfig.from_hf(hf_config,
+                                            attention_bias=self.attention_bias(hf_config))
         self.model = DecoderModel(self.config)
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.tie_weights()

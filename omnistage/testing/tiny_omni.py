@@ -120,7 +120,8 @@ def build_tiny_config(tok: PreTrainedTokenizerBase) -> Qwen2_5OmniConfig:
             vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
             # head_dim 16: mrope_section sums to head_dim / 2
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "mrope_section": [2, 3, 3]}),
         audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4,
                           encoder_ffn_dim=64, num_mel_bins=128, output_dim=hidden, n_window=100,
                           max_source_positions=1500),
@@ -278,3 +279,44 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = 
     finally:
         shutil.rmtree(tmp)
     return out
+
+
+def tiny_omni_test_messages(seed: int = 0) -> dict[str, list[dict]]:
+    """Chat prompts covering each input layout (deterministic media), by case name:
+    text_only, audio_text, image_text, audio_image_text, multi_turn, two_images."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sr = 16000
+    tone = (0.3 * np.sin(2 * np.pi * 220 * np.arange(2 * sr) / sr)
+            + 0.05 * rng.standard_normal(2 * sr)).astype(np.float32)
+    noise = (0.2 * rng.standard_normal(12345)).astype(np.float32)
+    img_a = Image.fromarray(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8))
+    img_b = Image.fromarray(rng.integers(0, 255, (100, 70, 3), dtype=np.uint8))
+
+    def user(*parts: dict) -> dict:
+        return {"role": "user", "content": list(parts)}
+
+    def audio(x: Any) -> dict:
+        return {"type": "audio", "audio": x}
+
+    def image(x: Any) -> dict:
+        return {"type": "image", "image": x}
+
+    def text(t: str) -> dict:
+        return {"type": "text", "text": t}
+
+    return {
+        "text_only": [{"role": "user", "content": "Beautiful is better than ugly. Say something."}],
+        "audio_text": [user(audio(tone), text("What do you hear?"))],
+        "image_text": [user(image(img_a), text("What is this?"))],
+        "audio_image_text": [user(audio(tone), image(img_a), text("What do you hear and see?"))],
+        "multi_turn": [
+            {"role": "system", "content": "Be brief."},
+            user(text("Listen:"), audio(noise)),
+            {"role": "assistant", "content": "Static noise."},
+            user(image(img_b), text("And this?"), audio(tone)),
+        ],
+        "two_images": [user(image(img_a), image(img_b), text("Compare them."))],
+    }

@@ -11,12 +11,21 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from omnistage.engine.ar import triton_attention  # noqa: E402
 from omnistage.engine.ar.triton_attention import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=[16, 64], ids=["tile16", "tile64"])
+def key_tile(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Key-tile size; 16 makes the short test sequences cross unmasked and masked tiles."""
+    monkeypatch.setattr(triton_attention, "_DECODE_BLOCK_N", request.param)
+    monkeypatch.setattr(triton_attention, "_PREFILL_BLOCK_N", request.param)
+    return request.param
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,16 +78,19 @@ def make_cache(seq_lens: list[int], page: int, num_kv_heads: int, head_dim: int,
     return (k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(torch.int32).to(DEVICE))
 
 
-def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float) -> float:
+def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float = 0.0) -> float:
     assert torch.isfinite(out).all(), "kernel output has NaN/inf (read past a sequence?)"
     assert ref.abs().mean() > 0.05, "reference output is trivially small"
-    diff = (out.float() - ref).abs().max().item()
-    assert diff < atol, f"max abs diff {diff:.3e} >= {atol}"
+    err = (out.float() - ref).abs()
+    diff = err.max().item()
+    print(f"max abs diff {diff:.2e} (ref mean |x| {ref.abs().mean().item():.3f})")
+    worst = (err - rtol * ref.abs()).max().item()
+    assert worst < atol, f"max abs diff {diff:.3e}: exceeds {atol} + {rtol} * |ref|"
     return diff
 
 
 @pytest.mark.parametrize("group,num_splits", [(2, 1), (2, 3), (4, 1), (4, 3)])
-def test_decode_fp32(group: int, num_splits: int) -> None:
+def test_decode_fp32(group: int, num_splits: int, key_tile: int) -> None:
     lens, page, kv_heads, head_dim = [1, 17, 70], 16, 2, 16
     k_cache, v_cache, bt = make_cache(lens, page, kv_heads, head_dim, torch.float32, seed=group)
     q = torch.randn(len(lens), kv_heads * group, head_dim, device=DEVICE)
@@ -90,9 +102,9 @@ def test_decode_fp32(group: int, num_splits: int) -> None:
     check_close(out, ref, 1e-4)
 
 
-def test_decode_head_dim_8_auto_splits_and_empty_row() -> None:
+def test_decode_head_dim_8_auto_splits_and_empty_row(key_tile: int) -> None:
     # head_dim 8 is padded to 16 inside the kernel; seq_len 0 rows (batch padding) give zeros.
-    lens, page, kv_heads, head_dim = [70, 33], 16, 1, 8
+    lens, page, kv_heads, head_dim = [70, 63], 16, 1, 8
     k_cache, v_cache, bt = make_cache(lens, page, kv_heads, head_dim, torch.float32, seed=5)
     q = torch.randn(3, 2, head_dim, device=DEVICE)
     bt = torch.cat([bt, bt[:1]])
@@ -104,12 +116,13 @@ def test_decode_head_dim_8_auto_splits_and_empty_row() -> None:
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
-def _prefill_case(dtype: torch.dtype, group: int):
-    prefix, q_lens, page, kv_heads, head_dim = [0, 16, 5], [7, 20, 1], 16, 2, 16
+def _prefill_case(dtype: torch.dtype, group: int, prefix: tuple[int, ...] = (0, 16, 5),
+                  q_lens: tuple[int, ...] = (7, 20, 1)):
+    page, kv_heads, head_dim = 16, 2, 16
     lens = [p + n for p, n in zip(prefix, q_lens, strict=True)]
     k_cache, v_cache, bt = make_cache(lens, page, kv_heads, head_dim, dtype, seed=7)
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype).to(DEVICE)
-    qsl = torch.tensor([0, 7, 27, 28], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, *q_lens], dtype=torch.int32, device=DEVICE).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = paged_prefill_attention(q, k_cache, v_cache, bt, qsl, seq_lens, max(q_lens), 0.25)
     ref = reference_attention(q, k_cache, v_cache, bt, qsl, seq_lens, 0.25)
@@ -118,17 +131,23 @@ def _prefill_case(dtype: torch.dtype, group: int):
 
 
 @pytest.mark.parametrize("group", [2, 3, 4])
-def test_prefill_fp32(group: int) -> None:
+def test_prefill_fp32(group: int, key_tile: int) -> None:
     out, ref = _prefill_case(torch.float32, group)
     check_close(out, ref, 1e-4)
 
 
-def test_prefill_bf16() -> None:
+def test_prefill_tile_boundaries(key_tile: int) -> None:
+    # First query one or two short of a tile edge: the unmasked-tile bound must stop there.
+    out, ref = _prefill_case(torch.float32, 2, prefix=(14, 62, 15, 0), q_lens=(3, 2, 18, 63))
+    check_close(out, ref, 1e-4)
+
+
+def test_prefill_bf16(key_tile: int) -> None:
     out, ref = _prefill_case(torch.bfloat16, 4)
     check_close(out, ref, 2e-2)
 
 
-def test_decode_bf16() -> None:
+def test_decode_bf16(key_tile: int) -> None:
     lens, page, kv_heads, group, head_dim = [1, 17, 70], 16, 2, 4, 16
     k_cache, v_cache, bt = make_cache(lens, page, kv_heads, head_dim, torch.bfloat16, seed=3)
     q = torch.randn(3, kv_heads * group, head_dim).to(torch.bfloat16).to(DEVICE)
@@ -177,11 +196,12 @@ def test_gpu_large_shapes() -> None:
     k_cache, v_cache, bt = _random_gpu_batch(lens, page, kv_heads, head_dim)
     seq_lens = lens.to(torch.int32).cuda()
     scale = head_dim**-0.5
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    # Scaled-up q: a peaked softmax keeps outputs O(1) over 4096 random keys.
+    q = 4 * torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     ref = reference_attention(q, k_cache, v_cache, bt, torch.arange(batch + 1), seq_lens, scale)
     for splits in (None, 1, 8):
         out = paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, scale, splits)
-        check_close(out, ref, 2e-2)
+        check_close(out, ref, 2e-2, 1e-2)
 
     # CUDA graph capture of decode: replay after changing seq_lens in place.
     static_out = paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, scale)
@@ -191,7 +211,7 @@ def test_gpu_large_shapes() -> None:
     seq_lens.copy_((lens // 2 + 1).to(torch.int32))
     graph.replay()
     ref2 = reference_attention(q, k_cache, v_cache, bt, torch.arange(batch + 1), seq_lens, scale)
-    check_close(static_out, ref2, 2e-2)
+    check_close(static_out, ref2, 2e-2, 1e-2)
 
     # Prefill: 8 sequences with cached prefixes and chunks up to 1024 tokens.
     q_lens = torch.tensor([1024, 1, 300, 17, 512, 1, 64, 999])
@@ -200,7 +220,7 @@ def test_gpu_large_shapes() -> None:
     k_cache, v_cache, bt = _random_gpu_batch(lens, page, kv_heads, head_dim)
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
     seq_lens = lens.to(torch.int32).cuda()
-    q = torch.randn(int(q_lens.sum()), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = 4 * torch.randn(int(q_lens.sum()), heads, head_dim, device="cuda", dtype=torch.bfloat16)
     out = paged_prefill_attention(q, k_cache, v_cache, bt, qsl, seq_lens, int(q_lens.max()),
                                   scale)
-    check_close(out, reference_attention(q, k_cache, v_cache, bt, qsl, seq_lens, scale), 2e-2)
+    check_close(out, reference_attention(q, k_cache, v_cache, bt, qsl, seq_lens, scale), 2e-2, 1e-2)

@@ -71,7 +71,7 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocation
     def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
-        """Room for the seq to hold `num_tokens` tokens, given prefix hits `cached` (unowned yet)."""
+        """Room for `num_tokens` tokens in the seq, given prefix hits `cached` (not owned yet)."""
         hits_in_free = sum(1 for b in cached if self.ref_count[b] == 0)
         need = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached))
         return need <= len(self.free) - hits_in_free

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 @dataclass
 class DetokState:
     prefix: int = 0  # output index where the decode window starts
-    read: int = 0  # output tokens already turned into emitted text
+    read: int = 0  # output tokens already turned into text
+    emitted: int = 0  # characters of the text already streamed out
 
 
 def detokenize_step(tokenizer, ids: list[int], state: DetokState, skip_special: bool) -> str:

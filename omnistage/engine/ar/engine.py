@@ -107,18 +107,22 @@ class AREngine:
                 seq.num_tokens >= self.config.max_model_len:
             reason = "length"
         if self.tokenizer is not None:
-            new = detokenize_step(self.tokenizer, seq.output_token_ids,
-                                  self.detok[seq.request_id], p.skip_special_tokens)
-            if reason is None and p.stop and new:
-                text = seq.output_text + new
-                cut = find_stop(text, len(new), p.stop)
-                if cut is not None:
-                    keep = cut + (len(next(s for s in p.stop if text.startswith(s, cut)))
-                                  if p.include_stop_str_in_output else 0)
-                    new = text[len(seq.output_text):keep]
-                    reason = "stop"
+            state = self.detok[seq.request_id]
+            new = detokenize_step(self.tokenizer, seq.output_token_ids, state,
+                                  p.skip_special_tokens)
             seq.output_text += new
-            update.new_text = new
+            if reason is None and p.stop and new:
+                cut = find_stop(seq.output_text, len(new), p.stop)
+                if cut is not None:
+                    stop = next(s for s in p.stop if seq.output_text.startswith(s, cut))
+                    seq.output_text = seq.output_text[:cut + (len(stop) if
+                                                              p.include_stop_str_in_output else 0)]
+                    reason = "stop"
+            # NOTE: while a stop string could still complete, its possible start is held back
+            hold = 0 if reason or not p.stop else max(len(s) for s in p.stop) - 1
+            upto = max(state.emitted, len(seq.output_text) - hold)
+            update.new_text = seq.output_text[state.emitted:upto]
+            state.emitted = upto
         if reason is not None:
             self._finish(seq, reason, update)
 

@@ -26,6 +26,8 @@ _LOG2E = 1.4426950408889634
 _DECODE_BLOCK_N = 64  # key tokens per tile
 _PREFILL_BLOCK_M = 64  # rows per tile = query tokens * padded group
 _PREFILL_BLOCK_N = 64
+_PREFILL_WARPS = 4
+_PREFILL_STAGES = 3
 
 
 @triton.jit
@@ -38,6 +40,47 @@ def _mm(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, t0, kv_end, q_pos, k_ptr, v_ptr, bt_row_ptr, kvh, d, dmask, scale_log2,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Online-softmax update with key tile [t0, t0 + BLOCK_N); returns (m_i, l_i, acc).
+
+    MASKED: the tile may reach past kv_end (and, if CAUSAL, past a row's q_pos); unmasked
+    tiles skip all token masks.
+    """
+    # q: [M, D_PAD]; m_i, l_i: [M]; acc: [M, D_PAD] fp32; q_pos: [M] (read only if CAUSAL)
+    t = t0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        tmask = t < kv_end
+        blk = tl.load(bt_row_ptr + t // PAGE, mask=tmask, other=0)
+        kv_mask = tmask[:, None] & dmask[None, :]
+    else:
+        blk = tl.load(bt_row_ptr + t // PAGE)
+        kv_mask = dmask[None, :]
+    slot = blk.to(tl.int64)
+    k_off = slot * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
+    v_off = slot * stride_vb + (t % PAGE) * stride_vt + kvh * stride_vh
+    k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
+    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = _mm(q, tl.trans(k), IEEE, UPCAST) * scale_log2  # [M, BN], log2 units
+    if MASKED:
+        visible = tmask[None, :]
+        if CAUSAL:
+            visible = visible & (t[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    # Tiles run in order and every row sees key 0 of the first one, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE, UPCAST)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -61,6 +104,7 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
     g = tl.arange(0, GROUP_PAD)
     heads = kvh * GROUP + g
@@ -73,25 +117,17 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t // PAGE, mask=tmask, other=0)
-        slot = blk.to(tl.int64)
-        k_off = slot * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
-        v_off = slot * stride_vb + (t % PAGE) * stride_vt + kvh * stride_vh
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), IEEE, UPCAST)
-        s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))  # [GROUP_PAD, BN]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = _mm(p.to(v.dtype), v, IEEE, UPCAST)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for t0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, t0, end, None, k_ptr, v_ptr, bt_row, kvh, d, dmask, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            PAGE, BLOCK_N, False, False, IEEE, UPCAST)
+    for t0 in range(full_end, end, BLOCK_N):  # at most one partial tile
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, t0, end, None, k_ptr, v_ptr, bt_row, kvh, d, dmask, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            PAGE, BLOCK_N, True, False, IEEE, UPCAST)
 
     # Empty slices (and seq_len 0 padding rows) give zeros with lse -inf.
     has = l_i > 0
@@ -170,29 +206,21 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
-    # Causal: keys beyond the tile's last query position are never needed.
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # Causal: keys past the tile's last query are never needed; keys up to its first query's
+    # position are visible to every row, so those whole tiles skip the masks.
     kv_end = tl.minimum(seq_len, ctx + tl.minimum((qt + 1) * BLOCK_Q, q_len))
-    for t0 in range(0, kv_end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < kv_end
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t // PAGE, mask=tmask, other=0)
-        slot = blk.to(tl.int64)
-        k_off = slot * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
-        v_off = slot * stride_vb + (t % PAGE) * stride_vt + kvh * stride_vh
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), IEEE, UPCAST)
-        # Key 0 is visible to every row, so each row's max is finite after the first tile.
-        visible = tmask[None, :] & (t[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = _mm(p.to(v.dtype), v, IEEE, UPCAST)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    full_end = tl.minimum(ctx + qt * BLOCK_Q + 1, kv_end) // BLOCK_N * BLOCK_N
+    for t0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, t0, kv_end, q_pos, k_ptr, v_ptr, bt_row, kvh, d, dmask, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            PAGE, BLOCK_N, False, True, IEEE, UPCAST)
+    for t0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, t0, kv_end, q_pos, k_ptr, v_ptr, bt_row, kvh, d, dmask, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            PAGE, BLOCK_N, True, True, IEEE, UPCAST)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_off = (tok * num_heads + heads)[:, None] * HEAD_DIM + d[None, :]
@@ -237,9 +265,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head) so the grid fills ~2 waves, with >= 256 keys per split."""
-    want = math.ceil(2 * _num_sms(device) / max(1, batch * num_kv_heads))
-    return max(1, min(want, math.ceil(max_len / 256), 32))
+    """Splits per (sequence, KV head): ~4 waves of programs, >= 128 keys per split (H100-tuned)."""
+    want = math.ceil(4 * _num_sms(device) / max(1, batch * num_kv_heads))
+    return max(1, min(want, math.ceil(max_len / 128), 64))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -335,7 +363,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), PAGE=page,
         BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N,
         IEEE=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
-        num_warps=4,
+        num_warps=_PREFILL_WARPS, num_stages=_PREFILL_STAGES,
     )
     return out
 

@@ -93,8 +93,12 @@ def _processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             return cfg["feature_extractor"], cfg["image_processor"]
     legacy = root / "preprocessor_config.json"
     if legacy.is_file():
+        # one dict holds both processors' fields: give each processor its own
         cfg = _read_json(legacy)
-        return cfg, cfg  # one dict holds both processors' fields
+        fe_keys = set(WhisperFeatureExtractor().to_dict())
+        ip_keys = set(Qwen2VLImageProcessorPil().to_dict()) | {"min_pixels", "max_pixels"}
+        return ({k: v for k, v in cfg.items() if k in fe_keys},
+                {k: v for k, v in cfg.items() if k in ip_keys})
     raise ValueError(f"{root}: no processor config (preprocessor_config.json or "
                      "processor_config.json with feature_extractor and image_processor)")
 
