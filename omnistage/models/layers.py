@@ -87,16 +87,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half)
         if cfg.rope_scaling:
             inv_freq = _scaled_inv_freq(inv_freq, dict(cfg.rope_scaling))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # plain attributes, not buffers: model.to(bf16) must not round the frequencies
+        self.inv_freq = inv_freq
         if cfg.mrope_section:
             if sum(cfg.mrope_section) != half:
                 raise ValueError(f"config mrope_section {cfg.mrope_section} must sum to head_dim/2")
             axis = torch.repeat_interleave(torch.arange(3), torch.tensor(cfg.mrope_section))
-            self.register_buffer("mrope_axis", axis, persistent=False)  # [half]: axis of each freq
+            self.mrope_axis = axis.to(inv_freq.device)  # [half]: the axis of each frequency
         else:
             self.mrope_axis = None
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+            if self.mrope_axis is not None:
+                self.mrope_axis = self.mrope_axis.to(positions.device)
         if positions.dim() == 2:
             if self.mrope_axis is None:
                 raise ValueError("3-axis positions given to a model without mrope_section")

@@ -15,10 +15,24 @@ def register_model(*architectures: str) -> Callable[[type], type]:
     return wrap
 
 
+OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel")
+
+
 def _import_builtin_models() -> None:
     # importing the families registers them
     from omnistage.models.llama import model as _llama  # noqa: F401
     from omnistage.models.qwen2 import model as _qwen2  # noqa: F401
+
+
+def resolve_pipeline(config: dict) -> type:
+    """The pipeline class for a checkpoint: Qwen2.5-Omni's stages, or a one-stage LM."""
+    archs = config.get("architectures") or []
+    if any(a in OMNI_ARCHITECTURES for a in archs) or "thinker_config" in config:
+        from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
+        return Qwen2_5OmniPipeline
+    resolve_architecture(archs)  # fail early on an unsupported LM
+    from omnistage.entrypoints.lm_pipeline import CausalLMPipeline
+    return CausalLMPipeline
 
 
 def resolve_architecture(architectures: list[str]) -> tuple[str, type]:

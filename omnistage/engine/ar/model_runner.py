@@ -126,6 +126,9 @@ class ModelRunner:
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        pending = [s for s in batch.seqs if s.pending_media is not None]
+        if pending:  # encoders run once per step over every prompt that needs them
+            self.model.encode_media(pending)
         fb, sample_rows = self.prepare(batch)
         hidden = self.model(fb)
         self.num_forwards += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -51,6 +51,7 @@ class Sequence:
     mrope_positions: torch.Tensor | None = None  # [3, P] long; later positions: i + rope_delta
     rope_delta: int = 0
     input_source: InputSource | None = None
+    pending_media: Any = None  # model-specific encoder inputs, encoded when first scheduled
     export_hidden: bool = False
     cacheable: bool = True  # False when the KV depends on inputs the hash cannot see
     arrival: int = 0  # FCFS order
