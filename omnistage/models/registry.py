@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 MODEL_REGISTRY: dict[str, type] = {}
+ADAPTER_REGISTRY: dict[str, type] = {}  # stage input adapters (e.g. thinker -> talker rows)
 
 
 def register_model(*architectures: str) -> Callable[[type], type]:
@@ -16,6 +17,13 @@ def register_model(*architectures: str) -> Callable[[type], type]:
 
 
 OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel")
+
+
+def register_adapter(name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
+        ADAPTER_REGISTRY[name] = cls
+        return cls
+    return wrap
 
 
 def _import_builtin_models() -> None:

@@ -57,8 +57,9 @@ class BlockManager:
         return hashes
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the longest full-block prefix, leaving >= 1 token to compute."""
-        if not (self.enable_prefix_caching and seq.cacheable):
+        """Cached blocks for the longest full-block prefix, leaving >= 1 token to compute.
+        A sequence that exports its hidden rows computes every position (no hits)."""
+        if not (self.enable_prefix_caching and seq.cacheable) or seq.export_hidden:
             return []
         upto = (seq.num_tokens - 1) // self.block_size
         hits = []

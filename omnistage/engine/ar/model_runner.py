@@ -74,11 +74,11 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
             if self.uses_mrope:
                 mrope_parts.append(_mrope_slice(seq, start, end))
-            embeds_rows.append(_embeds_slice(seq, start, end))
-            any_embeds |= embeds_rows[-1] is not None
-            rows = seq.input_source.rows(seq, start, end) if seq.input_source else None
-            add_rows.append(rows)
-            any_add |= rows is not None
+            embeds, add = _input_rows(seq, start, end)
+            embeds_rows.append(embeds)
+            add_rows.append(add)
+            any_embeds |= embeds is not None
+            any_add |= add is not None
         dev = self.device
         T = len(ids)
         max_blocks = max(len(s.block_table) for s in batch.seqs)
@@ -161,9 +161,17 @@ def _mrope_slice(seq: Sequence, start: int, end: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _embeds_slice(seq: Sequence, start: int, end: int):
+def _input_rows(seq: Sequence, start: int, end: int):
+    """(replacement rows + mask, additive rows) for positions [start, end) of one sequence."""
+    if seq.input_source is not None:
+        rows, replace = seq.input_source.rows(seq, start, end)
+        if replace is None:
+            return None, rows
+        if bool(replace.all()):
+            return (rows, replace), None
+        return (rows, replace), rows.masked_fill(replace[:, None], 0.0)
     e = seq.prompt_embeds
     if e is None or start >= e.shape[0]:
-        return None
+        return None, None
     stop = min(end, e.shape[0])
-    return e[start:stop], seq.prompt_embeds_mask[start:stop]
+    return (e[start:stop], seq.prompt_embeds_mask[start:stop]), None

@@ -21,11 +21,13 @@ class InputSource(Protocol):
     """Rows a stage adapter supplies per position (e.g. the talker's thinker rows).
 
     ready(seq) -> how many positions (from 0) have their input row; positions at or past it are
-    gated. rows(seq, start, end) -> additive rows [end-start, D] for those positions (device)."""
+    gated. rows(seq, start, end) -> (rows [end-start, D] on device, replace [end-start] bool or
+    None): where `replace` is True a row replaces the token embedding, elsewhere it is added."""
 
     def ready(self, seq: Sequence) -> int: ...
 
-    def rows(self, seq: Sequence, start: int, end: int) -> torch.Tensor: ...
+    def rows(self, seq: Sequence, start: int, end: int
+             ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 @dataclass

@@ -16,6 +16,7 @@ from omnistage.testing.tiny_omni import build_tiny_omni_processor, tiny_omni_tes
 log = logging.getLogger(__name__)
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+TEXT_OUT = {"output_modalities": ["text"], "use_tqdm": False}  # thinker stage only
 
 
 def hf_inputs(proc, messages):
@@ -62,7 +63,7 @@ def llm(tiny_omni_dir):
 @pytest.fixture(scope="module")
 def alone(llm):
     msgs = tiny_omni_test_messages()
-    return {name: llm.generate({"messages": m}, GREEDY, use_tqdm=False)[0]
+    return {name: llm.generate({"messages": m}, GREEDY, **TEXT_OUT)[0]
             for name, m in msgs.items()}
 
 
@@ -81,7 +82,7 @@ def test_greedy_tokens_equal_transformers(hf, alone, case):
 def test_mixed_batch_equals_alone(llm, alone):
     msgs = tiny_omni_test_messages()
     names = list(msgs) + ["image_text", "audio_text"]  # 8 prompts, duplicates included
-    outs = llm.generate([{"messages": msgs[n]} for n in names], GREEDY, use_tqdm=False)
+    outs = llm.generate([{"messages": msgs[n]} for n in names], GREEDY, **TEXT_OUT)
     assert len(outs) >= 8
     for name, out in zip(names, outs):
         assert out.error is None
@@ -92,7 +93,7 @@ def test_v5_processor_layout_gives_same_tokens(tiny_omni_v5_dir, alone):
     llm = OmniLLM(str(tiny_omni_v5_dir))
     msgs = tiny_omni_test_messages()
     outs = llm.generate([{"messages": msgs[n]} for n in ("audio_image_text", "two_images")],
-                        GREEDY, use_tqdm=False)
+                        GREEDY, **TEXT_OUT)
     assert outs[0].token_ids == alone["audio_image_text"].token_ids
     assert outs[1].token_ids == alone["two_images"].token_ids
 
@@ -108,15 +109,15 @@ def test_prefix_cache_keys_images_by_content(tiny_omni_dir):
     img_x = Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8))
     img_y = Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8))
     llm = OmniLLM(str(tiny_omni_dir), block_size=4)
-    first = llm.generate(_image_prompt(img_x), GREEDY, use_tqdm=False)[0]
+    first = llm.generate(_image_prompt(img_x), GREEDY, **TEXT_OUT)[0]
     ids = first.prompt_token_ids
     image_id = llm.pipeline.processor.token_ids["image"]
     img_start = ids.index(image_id)
     img_end = len(ids) - ids[::-1].index(image_id)
-    same = llm.generate(_image_prompt(img_x.copy()), GREEDY, use_tqdm=False)[0]
+    same = llm.generate(_image_prompt(img_x.copy()), GREEDY, **TEXT_OUT)[0]
     assert same.metrics.num_cached_tokens >= img_end // 4 * 4 > img_start
     assert same.token_ids == first.token_ids
-    other = llm.generate(_image_prompt(img_y), GREEDY, use_tqdm=False)[0]
+    other = llm.generate(_image_prompt(img_y), GREEDY, **TEXT_OUT)[0]
     assert other.prompt_token_ids == ids  # equal ids, different pixels
     assert 0 < other.metrics.num_cached_tokens <= img_start
 
@@ -147,7 +148,7 @@ def test_bad_media_fails_that_prompt_naming_the_part(llm, part, field):
     bad = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]}
     with pytest.raises(ValueError, match=r"prompts\[1\]\.messages\[0\]\." + field.replace(
             "[", r"\[").replace("]", r"\]")):
-        llm.generate(["fine", bad], GREEDY, use_tqdm=False)
+        llm.generate(["fine", bad], GREEDY, **TEXT_OUT)
     assert llm.engine.num_steps >= 0 and not llm.engine.has_unfinished()
 
 
@@ -155,11 +156,11 @@ def test_placeholder_count_mismatch(llm):
     prompt = {"prompt": "<|audio_bos|><|AUDIO|><|audio_eos|><|audio_bos|><|AUDIO|><|audio_eos|>hi",
               "multi_modal_data": {"audio": [np.zeros(16000, dtype=np.float32)]}}
     with pytest.raises(ValueError, match=r"prompts\[0\]"):
-        llm.generate(prompt, GREEDY, use_tqdm=False)
+        llm.generate(prompt, GREEDY, **TEXT_OUT)
 
 
 def test_wav_bytes_input_works(llm):
     msg = {"messages": [{"role": "user", "content": [
         {"type": "audio", "audio": _wav_bytes(1.0)}, {"type": "text", "text": "hi"}]}]}
-    out = llm.generate(msg, GREEDY, use_tqdm=False)[0]
+    out = llm.generate(msg, GREEDY, **TEXT_OUT)[0]
     assert out.error is None and len(out.token_ids) > 0
