@@ -1,8 +1,9 @@
 """omnistage: a fast, streaming serving engine for omni-modality models."""
 
+from omnistage.entrypoints.async_llm import AsyncOmniLLM
 from omnistage.entrypoints.llm import OmniLLM
 from omnistage.outputs import OmniRequestOutput, RequestMetrics, StageOutput
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["OmniLLM", "OmniRequestOutput", "RequestMetrics", "SamplingParams", "StageOutput"]
+__all__ = ["AsyncOmniLLM", "OmniLLM", "OmniRequestOutput", "RequestMetrics", "SamplingParams", "StageOutput"]
 __version__ = "0.1.0"

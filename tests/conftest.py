@@ -1,9 +1,13 @@
 import os
 
-import pytest
 import torch
 
-from omnistage.testing.tiny_lm import build_tiny_lm
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU-only machines;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import pytest  # noqa: E402
+
+from omnistage.testing.tiny_lm import build_tiny_lm  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -1,25 +1,28 @@
-"""A plain causal LM as a one-stage pipeline (stage `llm`), and the loop that drives an AR
-engine over a set of requests (shared by every pipeline's AR stages)."""
+"""A plain causal LM as a one-stage pipeline (built-in YAML `llm`, stage `llm`), and the
+helpers every pipeline uses to build its stages."""
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from omnistage.checkpoint import (eos_token_ids, iter_tensors, load_generation_config,
                                   load_tokenizer)
-from omnistage.engine.ar.engine import AREngine, SequenceUpdate
+from omnistage.config.schema import EngineOptions, PipelineConfig
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.ar.scheduler import EngineConfig
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.entrypoints.options import engine_config
+from omnistage.entrypoints.options import engine_config, resolve_device, resolve_dtype
 from omnistage.entrypoints.prompts import text_prompt_ids
-from omnistage.models.registry import resolve_architecture
-from omnistage.outputs import OmniRequestOutput, StageOutput
+from omnistage.models.layers import DecoderForCausalLM
+from omnistage.models.registry import register_model, resolve_architecture
+from omnistage.runtime.orchestrator import RuntimeRequest
+from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams
+
+register_model("causal_lm")(DecoderForCausalLM)  # resolved by config.architectures at load
 
 
 def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: torch.dtype):
@@ -28,6 +31,17 @@ def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: t
         model = cls(config)
     model.load_weights(tensors)
     return model.to(dtype).eval()
+
+
+def stage_engine_config(model_max_len: int, options: dict[str, Any],
+                        stage: EngineOptions) -> EngineConfig:
+    """Constructor engine options, overridden by the stage's YAML `engine:` keys."""
+    merged = dict(options)
+    merged.update({k: v for k, v in stage.model_dump().items() if v is not None})
+    try:
+        return engine_config(model_max_len, **merged)
+    except TypeError as e:
+        raise ValueError(f"engine options: {e}") from e
 
 
 def generation_defaults(gen_cfg: dict) -> SamplingParams:
@@ -49,70 +63,49 @@ def resolve_seed(p: SamplingParams) -> int:
     return p.seed if p.seed is not None else AREngine.new_seed()
 
 
-def drive(engine: AREngine, seqs: list[Sequence], use_tqdm: bool,
-          on_update: Callable[[SequenceUpdate], None] | None = None) -> dict[str, float]:
-    """Run `seqs` to completion on `engine`; returns request_id -> seconds to first token."""
-    start = time.perf_counter()
-    first: dict[str, float] = {}
-    for s in seqs:
-        engine.add_request(s)
-    bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
-    while engine.has_unfinished():
-        for u in engine.step():
-            if u.new_token_ids and u.request_id not in first:
-                first[u.request_id] = time.perf_counter() - start
-            if on_update is not None:
-                on_update(u)
-            if u.finished:
-                bar.update(1)
-    bar.close()
-    return first
-
-
-def stage_result(seq: Sequence, stage: str) -> StageOutput:
-    return StageOutput(stage, list(seq.output_token_ids), seq.output_text, seq.finish_reason)
-
-
 class CausalLMPipeline:
-    stage_names = ["llm"]
+    builtin = "llm"
     output_modalities = ["text"]
 
-    def __init__(self, path, config: dict, device: torch.device, dtype: torch.dtype,
-                 engine_options: dict[str, Any]) -> None:
+    def __init__(self, path, config: dict, pipeline: PipelineConfig, device: torch.device,
+                 dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
+        if len(pipeline.stages) != 1 or pipeline.stages[0].kind != "ar":
+            raise ValueError("pipeline: a causal LM checkpoint runs a single AR stage")
+        stage = pipeline.stages[0]
+        self.config, self.name = pipeline, stage.name
+        if stage.device:
+            device = resolve_device(stage.device)
+        if stage.dtype != "auto":
+            dtype = resolve_dtype(stage.dtype, device)
         _, cls = resolve_architecture(config.get("architectures") or [])
-        self.model = build_model(cls, config, iter_tensors(path), device, dtype)
+        self.model = build_model(cls, config, iter_tensors(path, stage.checkpoint_prefix),
+                                 device, dtype)
         self.tokenizer = load_tokenizer(path)
         gen_cfg = load_generation_config(path)
-        self.engine = AREngine(self.model, engine_config(config.get("max_position_embeddings",
-                                                                    32768), **engine_options),
-                               device, dtype, self.tokenizer,
+        cfg = stage_engine_config(config.get("max_position_embeddings", 32768), engine_options,
+                                  stage.engine)
+        self.engine = AREngine(self.model, cfg, device, dtype, self.tokenizer,
                                eos_token_ids(gen_cfg, config, self.tokenizer))
-        self.engines = {"llm": self.engine}
-        self.default_params = {"llm": generation_defaults(gen_cfg)}
+        self.workers = {self.name: ARStageWorker(self.name, self.engine)}
+        self.default_params = {self.name: stage.default_sampling.apply(
+            generation_defaults(gen_cfg))}
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [self.name]
+
+    @property
+    def engines(self) -> dict[str, AREngine]:
+        return {self.name: self.engine}
 
     def prepare(self, prompt: Any, params: dict[str, SamplingParams],
-                modalities: list[str], where: str, index: int) -> Sequence:
-        p = params["llm"]
+                modalities: list[str], where: str, index: int) -> RuntimeRequest:
+        p = params[self.name]
         p.validate(where.replace("prompts", "sampling_params"), self.model.vocab_size)
         ids = text_prompt_ids(prompt, self.tokenizer, where, self.model.vocab_size)
         max_len = self.engine.config.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"{where}: {len(ids)} tokens, max_model_len is {max_len}")
-        return Sequence(new_request_id(index), ids, p, resolve_seed(p))
-
-    def run(self, seqs: list[Sequence], use_tqdm: bool) -> list[OmniRequestOutput]:
-        start = time.perf_counter()
-        first = drive(self.engine, seqs, use_tqdm)
-        e2e = time.perf_counter() - start
-        outs = []
-        for s in seqs:
-            out = OmniRequestOutput(s.request_id, text=s.output_text,
-                                    token_ids=list(s.output_token_ids), finished=True,
-                                    error=s.error, prompt_token_ids=s.prompt_token_ids)
-            out.stages["llm"] = stage_result(s, "llm")
-            m = out.metrics
-            m.ttft, m.e2e, m.seed = first.get(s.request_id), e2e, s.seed
-            m.num_cached_tokens = s.num_cached_tokens
-            m.tokens_per_stage = {"llm": len(s.output_token_ids)}
-            outs.append(out)
-        return outs
+        seq = Sequence(new_request_id(index), ids, p, resolve_seed(p))
+        return RuntimeRequest(seq.request_id, [self.name], {self.name: seq},
+                              text_stage=self.name, seed=seq.seed, prompt_token_ids=ids)

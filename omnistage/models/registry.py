@@ -32,6 +32,13 @@ def _import_builtin_models() -> None:
     from omnistage.models.qwen2 import model as _qwen2  # noqa: F401
 
 
+def import_all_models() -> None:
+    """Register every built-in model and adapter (the names pipeline YAMLs may use)."""
+    _import_builtin_models()
+    from omnistage.entrypoints import lm_pipeline  # noqa: F401  (causal_lm)
+    from omnistage.models.qwen2_5_omni import code2wav_stage, talker, thinker  # noqa: F401
+
+
 def resolve_pipeline(config: dict) -> type:
     """The pipeline class for a checkpoint: Qwen2.5-Omni's stages, or a one-stage LM."""
     archs = config.get("architectures") or []

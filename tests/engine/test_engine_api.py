@@ -8,6 +8,7 @@ from omnistage.engine.ar.sequence import Sequence
 
 def test_abort_returns_every_block(tiny_qwen2):
     llm = OmniLLM(str(tiny_qwen2), block_size=8)
+    llm.shutdown()  # drive the engine by hand, without the runtime's loop
     engine = llm.engine
     free_at_start = engine.blocks.num_free_blocks
     tok = llm.tokenizer

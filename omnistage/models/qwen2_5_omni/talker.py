@@ -116,10 +116,12 @@ class Qwen2_5OmniThinkerToTalker:
     def finish_thinker(self) -> None:
         self.thinker_finished = True
 
-    @property
-    def prompt_ready(self) -> bool:
-        return (self.num_prompt_rows == self.prompt_len
-                and len(self.thinker_seq.output_token_ids) > 0)
+    def on_event(self, ev) -> None:
+        """Route a thinker StageEvent: hidden rows in, and the end of the reply."""
+        if ev.hidden is not None:
+            self.add_thinker_rows(*ev.hidden)
+        if ev.finished:
+            self.finish_thinker()
 
     # ---------------------------------------------------------------- talker side
     def ready(self, seq: Sequence) -> int:
@@ -145,6 +147,23 @@ class Qwen2_5OmniThinkerToTalker:
         replace_upto = P if self.handoff == "qwen" else P + 2
         replace = torch.arange(start, end, device=self.bos_row.device) < replace_upto
         return torch.stack(parts), replace
+
+
+@register_adapter("qwen2_5_omni_talker_to_code2wav")
+class Qwen2_5OmniTalkerToCode2Wav:
+    """Forwards a talker request's codes to code2wav; the stop code is not a code."""
+
+    def __init__(self, code2wav, stop_token_ids: list[int]) -> None:
+        self.code2wav, self.stops = code2wav, set(stop_token_ids)
+        self.codes: list[int] = []
+
+    def on_event(self, ev) -> None:
+        codes = list(ev.token_ids)
+        if ev.finished and ev.finish_reason == "stop" and codes and codes[-1] in self.stops:
+            codes = codes[:-1]
+        self.codes.extend(codes)
+        if codes or ev.finished:
+            self.code2wav.add_codes(ev.request_id, codes, ev.finished)
 
 
 def talker_sequence(request_id: str, thinker_seq: Sequence, adapter: Qwen2_5OmniThinkerToTalker,

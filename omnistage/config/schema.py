@@ -1,0 +1,155 @@
+"""Pipeline YAML schema: what a user types is a pydantic model with unknown fields forbidden;
+load_pipeline() validates the graph (unique names, known upstreams, DAG, registered models and
+adapters, valid devices) and names the offending field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from omnistage.sampling_params import SamplingParams
+
+BUILTIN_DIR = Path(__file__).parent / "pipelines"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineOptions(_Strict):
+    """AR engine settings of one stage (unset = the OmniLLM constructor's value or default)."""
+
+    max_num_seqs: int | None = Field(None, ge=1, le=4096)
+    max_model_len: int | None = Field(None, ge=16, le=1 << 20)
+    max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    block_size: int | None = Field(None, ge=1, le=1024)
+    num_kv_blocks: int | None = Field(None, ge=2)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=0.95)
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+
+
+class StageInput(_Strict):
+    upstream: str
+    adapter: str  # a name in models.registry.ADAPTER_REGISTRY
+
+
+class SamplingDefaults(_Strict):
+    """A stage's default sampling (SamplingParams fields)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        values = {k: v for k, v in self.model_dump().items() if v is not None}
+        p = SamplingParams(**{**base.__dict__, **values})
+        p.validate("default_sampling")
+        return p
+
+
+class StageConfig(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")
+    kind: Literal["ar", "generation"]
+    model: str  # the component's registered model name
+    checkpoint_prefix: str = ""  # tensors of this component in the checkpoint (e.g. "thinker.")
+    device: str | None = None  # "cpu", "cuda", "cuda:N"; None = the OmniLLM device
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    engine: EngineOptions = EngineOptions()
+    inputs: list[StageInput] = []
+    default_sampling: SamplingDefaults = SamplingDefaults()
+    output: Literal["text", "audio"] | None = None  # the modality this stage gives the user
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is None or v == "cpu" or v == "cuda":
+            return v
+        if v.startswith("cuda:") and v[5:].isdigit():
+            return v
+        raise ValueError(f"{v!r} is not 'cpu', 'cuda' or 'cuda:N'")
+
+
+class PipelineConfig(_Strict):
+    name: str
+    stages: list[StageConfig] = Field(min_length=1, max_length=16)
+
+    def stage(self, name: str) -> StageConfig:
+        return next(s for s in self.stages if s.name == name)
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    @property
+    def output_modalities(self) -> list[str]:
+        return [s.output for s in self.stages if s.output]
+
+
+def _check_graph(cfg: PipelineConfig) -> None:
+    from omnistage.models.registry import ADAPTER_REGISTRY, MODEL_REGISTRY, import_all_models
+    import_all_models()
+    names = [s.name for s in cfg.stages]
+    for i, s in enumerate(cfg.stages):
+        where = f"stages[{i}]"
+        if names.count(s.name) > 1:
+            raise ValueError(f"{where}.name: {s.name!r} is used by more than one stage")
+        if s.model not in MODEL_REGISTRY:
+            raise ValueError(f"{where}.model: {s.model!r} is not a registered model; known: "
+                             f"{sorted(MODEL_REGISTRY)}")
+        for j, inp in enumerate(s.inputs):
+            if inp.upstream not in names:
+                raise ValueError(f"{where}.inputs[{j}].upstream: no stage named {inp.upstream!r}")
+            if inp.adapter not in ADAPTER_REGISTRY:
+                raise ValueError(f"{where}.inputs[{j}].adapter: {inp.adapter!r} is not a "
+                                 f"registered adapter; known: {sorted(ADAPTER_REGISTRY)}")
+    # DAG: stages must be listed after their upstreams (this also rules out cycles)
+    seen: set[str] = set()
+    for i, s in enumerate(cfg.stages):
+        for j, inp in enumerate(s.inputs):
+            if inp.upstream == s.name or inp.upstream not in seen:
+                raise ValueError(f"stages[{i}].inputs[{j}].upstream: {inp.upstream!r} makes a "
+                                 "cycle or comes later (stages must form a DAG, listed in order)")
+        seen.add(s.name)
+    if not cfg.output_modalities:
+        raise ValueError("stages: no stage declares an output modality")
+
+
+def load_pipeline(source: str | Path | dict) -> PipelineConfig:
+    """A PipelineConfig from a YAML path, a built-in name, or a dict. ValueError names the field."""
+    if isinstance(source, dict):
+        data, origin = source, "pipeline"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            builtin = BUILTIN_DIR / f"{source}.yaml"
+            if not builtin.is_file():
+                raise ValueError(f"pipeline: {source!r} is neither a YAML file nor a built-in "
+                                 f"pipeline ({sorted(p.stem for p in BUILTIN_DIR.glob('*.yaml'))})")
+            path = builtin
+        if path.stat().st_size > 1 << 20:
+            raise ValueError(f"pipeline: {path} is larger than 1 MiB")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"pipeline: {path} is not valid YAML: {e}") from e
+        origin = str(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"pipeline: {origin} must hold a mapping")
+    try:
+        cfg = PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"pipeline: {origin}: {loc}: {err['msg']}") from e
+    _check_graph(cfg)
+    return cfg

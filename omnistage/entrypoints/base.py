@@ -1,0 +1,95 @@
+"""What OmniLLM and AsyncOmniLLM share: checkpoint -> pipeline YAML -> stages -> runtime."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from omnistage.checkpoint import load_config, resolve_model_path
+from omnistage.config.schema import load_pipeline
+from omnistage.entrypoints.options import resolve_device, resolve_dtype
+from omnistage.entrypoints.prompts import check_prompt_shape, per_stage_params
+from omnistage.models.registry import resolve_pipeline
+from omnistage.runtime.orchestrator import Orchestrator, RuntimeRequest
+
+MAX_PROMPTS_PER_CALL = 100_000
+
+
+class OmniBase:
+    def __init__(self, model: str, pipeline: str | None = None, device: str | None = None,
+                 dtype: str | torch.dtype = "auto", request_timeout: float | None = None,
+                 **engine_options: Any) -> None:
+        self.path = resolve_model_path(model)
+        config = load_config(self.path)
+        pipeline_cls = resolve_pipeline(config)
+        self.pipeline_config = load_pipeline(pipeline or pipeline_cls.builtin)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if request_timeout is not None and not (isinstance(request_timeout, (int, float))
+                                                and request_timeout > 0):
+            raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
+        self.request_timeout = request_timeout
+        self.pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
+                                     self.dtype, dict(engine_options))
+        self.runtime = Orchestrator(self.pipeline.workers)
+
+    # -------------------------------------------------------------- conveniences
+    @property
+    def engine(self):
+        """The first AR stage's engine."""
+        return next(iter(self.pipeline.engines.values()))
+
+    @property
+    def tokenizer(self):
+        return self.pipeline.tokenizer
+
+    @property
+    def stage_names(self) -> list[str]:
+        return self.pipeline.stage_names
+
+    # -------------------------------------------------------------- requests
+    def _modalities(self, output_modalities: list[str] | None) -> list[str]:
+        available = self.pipeline.output_modalities
+        if output_modalities is None:
+            return list(available)
+        if not isinstance(output_modalities, list) or not output_modalities or \
+                "text" not in output_modalities or \
+                any(m not in available for m in output_modalities):
+            raise ValueError(f"output_modalities: {output_modalities!r}; this model gives "
+                             f"{available} (text always included)")
+        return list(output_modalities)
+
+    def _prepare(self, prompts: list, sampling_params: Any,
+                 output_modalities: list[str] | None) -> list[RuntimeRequest]:
+        """Validate every prompt and parameter (ValueError naming the prompt and field)."""
+        if len(prompts) > MAX_PROMPTS_PER_CALL:
+            raise ValueError(f"prompts: at most {MAX_PROMPTS_PER_CALL} per call")
+        modalities = self._modalities(output_modalities)
+        params = per_stage_params(sampling_params, len(prompts), self.stage_names,
+                                  self.pipeline.default_params)
+        reqs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            where = f"prompts[{i}]"
+            check_prompt_shape(prompt, where)
+            req = self.pipeline.prepare(prompt, sp, modalities, where, i)
+            if self.request_timeout is not None:
+                req.deadline = time.monotonic() + self.request_timeout
+            reqs.append(req)
+        return reqs
+
+    def shutdown(self) -> None:
+        """Stop the runtime; requests still running end with an error."""
+        self.runtime.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None and runtime.alive:
+            runtime.shutdown(timeout=1.0)
