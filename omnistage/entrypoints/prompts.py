@@ -8,8 +8,9 @@ from typing import Any
 from omnistage.sampling_params import SamplingParams
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "messages", "voice",
-               "use_audio_in_video"}
+               "use_audio_in_video", "forced_reply"}
 MAX_PROMPT_CHARS = 1 << 20
+MAX_FORCED_REPLY_CHARS = 16384
 
 
 def check_prompt_shape(prompt: Any, where: str) -> None:
@@ -29,6 +30,13 @@ def check_prompt_shape(prompt: Any, where: str) -> None:
     sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in prompt]
     if len(sources) != 1:
         raise ValueError(f"{where}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+    if "forced_reply" in prompt:
+        text = prompt["forced_reply"]
+        if not isinstance(text, str) or not text or len(text) > MAX_FORCED_REPLY_CHARS:
+            raise ValueError(f"{where}.forced_reply: must be a non-empty string of at most "
+                             f"{MAX_FORCED_REPLY_CHARS} characters")
+    if "voice" in prompt and prompt["voice"] is not None and not isinstance(prompt["voice"], str):
+        raise ValueError(f"{where}.voice: must be a string")
     if "prompt" in prompt and (not isinstance(prompt["prompt"], str) or not prompt["prompt"]):
         raise ValueError(f"{where}.prompt: must be a non-empty string")
     if "prompt_token_ids" in prompt:

@@ -87,6 +87,8 @@ class AREngine:
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             token = result.sampled.get(seq.request_id)
+            if token is not None and seq.forced_output_ids is not None:
+                token = seq.forced_output_ids[len(seq.output_token_ids)]
             hidden = result.hidden.get(seq.request_id)
             if token is None and hidden is None:
                 continue
@@ -102,6 +104,8 @@ class AREngine:
         p, n_out = seq.params, len(seq.output_token_ids)
         reason = None
         if token in seq.stop_token_ids and n_out >= p.min_tokens:
+            reason = "stop"
+        elif seq.forced_output_ids is not None and n_out >= len(seq.forced_output_ids):
             reason = "stop"
         elif (p.max_tokens is not None and n_out >= p.max_tokens) or \
                 seq.num_tokens >= self.config.max_model_len:

@@ -54,6 +54,7 @@ class Sequence:
     rope_delta: int = 0
     input_source: InputSource | None = None
     pending_media: Any = None  # model-specific encoder inputs, encoded when first scheduled
+    forced_output_ids: list[int] | None = None  # emit exactly these instead of sampling
     export_hidden: bool = False
     cacheable: bool = True  # False when the KV depends on inputs the hash cannot see
     arrival: int = 0  # FCFS order

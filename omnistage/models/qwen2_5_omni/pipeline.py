@@ -122,6 +122,8 @@ class Qwen2_5OmniPipeline:
         p.validate(where.replace("prompts", "sampling_params") + f"[{names['thinker']}]",
                    self.thinker.vocab_size)
         seq = self._thinker_seq(prompt, p, modalities, where, index)
+        if isinstance(prompt, dict) and prompt.get("forced_reply"):
+            self._force_reply(seq, prompt["forced_reply"])
         req = RuntimeRequest(seq.request_id, [names["thinker"]], {names["thinker"]: seq},
                              text_stage=names["thinker"], seed=seq.seed,
                              prompt_token_ids=list(seq.prompt_token_ids))
@@ -155,6 +157,17 @@ class Qwen2_5OmniPipeline:
         req.finalize = lambda out: self._finalize(out, names["talker"], to_code2wav)
         return req
 
+    def _force_reply(self, seq: Sequence, text: str) -> None:
+        """The thinker's reply is exactly `text` (then its end token): no sampling."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if eos is None or eos < 0 or eos == self.tokenizer.unk_token_id:
+            eos = min(self.workers[self.roles["thinker"].name].engine.eos_token_ids)
+        seq.forced_output_ids = ids + [eos]
+        seq.params = SamplingParams(**{**seq.params.__dict__, "temperature": 0.0,
+                                       "max_tokens": len(ids) + 1, "min_tokens": 0,
+                                       "stop": [], "ignore_eos": False})
+
     @staticmethod
     def _finalize(out: OmniRequestOutput, talker: str, to_code2wav) -> None:
         if talker in out.stages:  # codes without the stop code that ended them
@@ -164,18 +177,21 @@ class Qwen2_5OmniPipeline:
     def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index) -> Sequence:
         engine = self.workers[self.roles["thinker"].name].engine
         max_prompt = engine.config.max_model_len - 1
-        if isinstance(prompt, dict) and prompt.get("use_audio_in_video"):
-            raise ValueError(f"{where}.use_audio_in_video: video input is not supported yet")
+        with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
+        if not isinstance(with_av, bool):
+            raise ValueError(f"{where}.use_audio_in_video: must be true or false, got {with_av!r}")
         try:
             if isinstance(prompt, str):
                 processed = self.processor.process_prompt(prompt, max_prompt_tokens=max_prompt)
             elif "messages" in prompt:
                 processed = self.processor.process(prompt["messages"],
                                                    add_audio_system_prompt="audio" in modalities,
-                                                   max_prompt_tokens=max_prompt)
+                                                   max_prompt_tokens=max_prompt,
+                                                   use_audio_in_video=with_av)
             elif "prompt" in prompt:
                 processed = self.processor.process_prompt(
-                    prompt["prompt"], prompt.get("multi_modal_data"), max_prompt_tokens=max_prompt)
+                    prompt["prompt"], prompt.get("multi_modal_data"), max_prompt_tokens=max_prompt,
+                    use_audio_in_video=with_av)
             else:
                 processed = None
         except ValueError as e:
