@@ -32,3 +32,18 @@ def tiny_qwen2(tmp_path_factory):
 def tiny_llama(tmp_path_factory):
     """Tiny Llama with an untied lm_head."""
     return build_tiny_lm(tmp_path_factory.mktemp("llama"), "llama", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_omni_dir(tmp_path_factory):
+    """Tiny Qwen2.5-Omni with the legacy root preprocessor_config.json (the released layout)."""
+    from omnistage.testing.tiny_omni import build_tiny_omni
+    return build_tiny_omni(tmp_path_factory.mktemp("tiny_omni") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_omni_v5_dir(tmp_path_factory):
+    """Same weights, processor config in transformers 5's nested processor_config.json."""
+    from omnistage.testing.tiny_omni import build_tiny_omni
+    return build_tiny_omni(tmp_path_factory.mktemp("tiny_omni_v5") / "ckpt", seed=0,
+                           processor_layout="v5")

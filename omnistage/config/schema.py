@@ -61,7 +61,8 @@ class StageConfig(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")
     kind: Literal["ar", "generation"]
     model: str  # the component's registered model name
-    checkpoint_prefix: str = ""  # tensors of this component in the checkpoint (e.g. "thinker.")
+    # the component's tensors in the checkpoint (e.g. "thinker."); None = the model's default
+    checkpoint_prefix: str | None = None
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None = the OmniLLM device
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     engine: EngineOptions = EngineOptions()
@@ -101,7 +102,7 @@ def _check_graph(cfg: PipelineConfig) -> None:
     names = [s.name for s in cfg.stages]
     for i, s in enumerate(cfg.stages):
         where = f"stages[{i}]"
-        if names.count(s.name) > 1:
+        if s.name in names[:i]:
             raise ValueError(f"{where}.name: {s.name!r} is used by more than one stage")
         if s.model not in MODEL_REGISTRY:
             raise ValueError(f"{where}.model: {s.model!r} is not a registered model; known: "

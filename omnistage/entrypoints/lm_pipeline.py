@@ -78,7 +78,7 @@ class CausalLMPipeline:
         if stage.dtype != "auto":
             dtype = resolve_dtype(stage.dtype, device)
         _, cls = resolve_architecture(config.get("architectures") or [])
-        self.model = build_model(cls, config, iter_tensors(path, stage.checkpoint_prefix),
+        self.model = build_model(cls, config, iter_tensors(path, stage.checkpoint_prefix or ""),
                                  device, dtype)
         self.tokenizer = load_tokenizer(path)
         gen_cfg = load_generation_config(path)

@@ -60,6 +60,7 @@ class Orchestrator:
         self.requests: dict[str, RuntimeRequest] = {}
         self.control: queue.Queue = queue.Queue()
         self.step_delay: dict[str, float] = {}  # test hook: slow a stage down
+        self.trace: list[tuple[str, str, int, bool]] | None = None  # (stage, request, tokens, audio)
         self.stage_errors: dict[str, int] = {name: 0 for name in workers}
         self.finished_requests = 0
         self._stop = threading.Event()
@@ -154,6 +155,9 @@ class Orchestrator:
             hook(ev)
         now = time.monotonic() - req.arrival
         req.stage_tokens.setdefault(ev.stage, []).extend(ev.token_ids)
+        if self.trace is not None:
+            self.trace.append((ev.stage, ev.request_id, len(req.stage_tokens[ev.stage]),
+                               ev.audio is not None))
         delta = OmniRequestOutput(req.request_id)
         if ev.stage == req.text_stage and (ev.token_ids or ev.text):
             req.text += ev.text

@@ -40,6 +40,10 @@ def _role(cfg: PipelineConfig, model: str) -> StageConfig | None:
     return next((s for s in cfg.stages if s.model == model), None)
 
 
+def _prefix(stage: StageConfig, default: str) -> str:
+    return default if stage.checkpoint_prefix is None else stage.checkpoint_prefix
+
+
 class Qwen2_5OmniPipeline:
     builtin = "qwen2_5_omni"
 
@@ -66,7 +70,7 @@ class Qwen2_5OmniPipeline:
         st = self.roles["thinker"]
         t_dev, t_dtype = self._placement(st, device, dtype)
         self.thinker = build_model(Qwen2_5OmniThinkerForCausalLM, thinker_cfg,
-                                   iter_tensors(path, st.checkpoint_prefix), t_dev, t_dtype)
+                                   iter_tensors(path, _prefix(st, "thinker.")), t_dev, t_dtype)
         self._add_ar(st, self.thinker, t_dev, t_dtype, engine_options,
                      thinker_cfg["text_config"], eos_token_ids(gen_cfg, config, None),
                      tokenizer=self.tokenizer)
@@ -81,13 +85,13 @@ class Qwen2_5OmniPipeline:
         k_dev, k_dtype = self._placement(sk, device, dtype)
         talker_cfg = config["talker_config"]
         self.talker = build_model(Qwen2_5OmniTalkerForCausalLM, talker_cfg,
-                                  iter_tensors(path, sk.checkpoint_prefix), k_dev, k_dtype)
+                                  iter_tensors(path, _prefix(sk, "talker.")), k_dev, k_dtype)
         self._add_ar(sk, self.talker, k_dev, k_dtype, engine_options, talker_cfg, set())
         self.default_params[sk.name] = sk.default_sampling.apply(self.talker.default_params())
         c_dev, c_dtype = self._placement(sc, device, dtype)
         with torch.device(c_dev):
             token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
-        token2wav.load_state_dict(dict(iter_tensors(path, sc.checkpoint_prefix)), strict=True)
+        token2wav.load_state_dict(dict(iter_tensors(path, _prefix(sc, "token2wav."))), strict=True)
         token2wav.to(c_dtype if sc.dtype != "auto" else torch.float32).eval()
         self.code2wav = Qwen2_5OmniCode2WavStage(sc.name, token2wav, c_dev)
         self.workers[sc.name] = self.code2wav
