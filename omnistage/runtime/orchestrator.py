@@ -60,7 +60,8 @@ class Orchestrator:
         self.requests: dict[str, RuntimeRequest] = {}
         self.control: queue.Queue = queue.Queue()
         self.step_delay: dict[str, float] = {}  # test hook: slow a stage down
-        self.trace: list[tuple[str, str, int, bool]] | None = None  # (stage, request, tokens, audio)
+        # test hook: (stage, request id, tokens so far, audio chunk?) per event
+        self.trace: list[tuple[str, str, int, bool]] | None = None
         self.stage_errors: dict[str, int] = {name: 0 for name in workers}
         self.finished_requests = 0
         self._stop = threading.Event()

@@ -20,8 +20,7 @@ from omnistage.entrypoints.options import resolve_device, resolve_dtype
 from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_5OmniCode2WavStage
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerForCausalLM,
-                                                  Qwen2_5OmniThinkerToTalker,
-                                                  Qwen2_5OmniTalkerToCode2Wav, talker_sequence)
+                                                  talker_sequence)
 from omnistage.models.qwen2_5_omni.thinker import (Qwen2_5OmniThinkerForCausalLM,
                                                    thinker_sequence)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
