@@ -72,10 +72,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -137,6 +134,68 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _linear(x, w, b=None):
+    return nn.functional.linear(x, w, b)
+
+
+def attention_in(x, ln_w, eps: float, w_qkv, b_qkv, cos, sin, num_heads: int,
+                 num_kv_heads: int, head_dim: int):
+    """input norm -> fused q/k/v projection -> rope. x: [T, D] -> q [T,H,hd], k/v [T,Hkv,hd]."""
+    T = x.shape[0]
+    qkv = _linear(_rms_norm(x, ln_w, eps), w_qkv, b_qkv)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.reshape(T, num_heads, head_dim), cos, sin)
+    k = apply_rope(k.reshape(T, num_kv_heads, head_dim), cos, sin)
+    return q, k, v.reshape(T, num_kv_heads, head_dim)
+
+
+def attention_out_mlp(x, o, wo, ln_w, eps: float, w_gate_up, b_gate_up, wd, bd):
+    """o_proj + residual -> post norm -> fused gate/up, SiLU gate, down + residual."""
+    x = x + _linear(o.reshape(o.shape[0], -1), wo)
+    gate, up = _linear(_rms_norm(x, ln_w, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
+    return x + _linear(nn.functional.silu(gate) * up, wd, bd)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears over the same input; each linear's parameters
+    become views into it, so checkpoint names keep working and memory is not doubled."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    has_bias = all(lin.bias is not None for lin in linears)
+    bias = torch.cat([lin.bias.data for lin in linears]) if has_bias else None
+    off = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[off:off + n]
+        if has_bias:
+            lin.bias.data = bias[off:off + n]
+        off += n
+    return weight, bias
+
+
+# NOTE: on CUDA these two are compiled (torch.compile fuses the norms, rope, activation and
+# residuals around the GEMMs); the paged attention between them stays our Triton kernel.
+KERNELS = {"in": attention_in, "out": attention_out_mlp}
+_compiled = False
+
+
+def compile_layer_kernels() -> None:
+    """Swap in torch.compile'd layer kernels (once per process; CUDA only)."""
+    global _compiled
+    if _compiled:
+        return
+    KERNELS["in"] = torch.compile(attention_in, dynamic=True)
+    KERNELS["out"] = torch.compile(attention_out_mlp, dynamic=True)
+    _compiled = True
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -152,16 +211,6 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        T = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        write_kv(k, v, self.k_cache, self.v_cache, batch.attn.slot_mapping)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch.attn, self.scale)
-        return self.o_proj(o.reshape(T, -1))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -170,9 +219,6 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -183,9 +229,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """After loading and casting: fused q/k/v and gate/up weights (fewer, larger GEMMs)."""
+        a, m = self.self_attn, self.mlp
+        self.w_qkv, self.b_qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+        self.w_gate_up, self.b_gate_up = fuse_linears([m.gate_proj, m.up_proj])
+
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a, m = self.self_attn, self.mlp
+        if not hasattr(self, "w_qkv"):
+            self.fuse()
+        q, k, v = KERNELS["in"](x, self.input_layernorm.weight, self.input_layernorm.eps,
+                                self.w_qkv, self.b_qkv, cos, sin, a.num_heads, a.num_kv_heads,
+                                a.head_dim)
+        write_kv(k, v, a.k_cache, a.v_cache, batch.attn.slot_mapping)
+        o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale)
+        post = self.post_attention_layernorm
+        return KERNELS["out"](x, o, a.o_proj.weight, post.weight, post.eps, self.w_gate_up,
+                              self.b_gate_up, m.down_proj.weight, m.down_proj.bias)
 
 
 class DecoderModel(nn.Module):

@@ -196,6 +196,62 @@ def build_tiny_omni_processor(path: str | Path) -> Qwen2_5OmniProcessor:
         tokenizer=tok, chat_template=tok.chat_template)
 
 
+class _TinyOmniFrameVideoProcessor(_TinyOmniNoVideoProcessor):
+    """Qwen2VLVideoProcessor without torchvision, from transformers' own parts: smart_resize
+    (with its per-frame pixel cap), the uint8 antialiased bicubic `interpolate` that
+    torchvision runs on CPU, then Qwen2VLImageProcessorPil per frame (rescale, normalise,
+    patchify; it repeats one frame over the temporal patch) with frame pairs put together."""
+
+    size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+    max_video_tokens = 128000
+
+    def __call__(self, videos: Any, size: dict | None = None, **kwargs: Any) -> Any:
+        import numpy as np
+        from transformers import BatchFeature
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        size = dict(size or self.size)
+        image_proc = Qwen2VLImageProcessorPil(do_resize=False)
+        videos = [videos] if isinstance(videos, np.ndarray) else list(videos)
+        tp, p, factor = self.temporal_patch_size, self.patch_size, 28
+        pixels, grids = [], []
+        for video in videos:
+            x = torch.from_numpy(np.stack(list(video))).permute(0, 3, 1, 2).contiguous()
+            T, _, H, W = x.shape
+            budget = int(self.max_video_tokens * factor * factor * 0.9)
+            max_px = max(min(size["longest_edge"], budget * tp // T),
+                         int(size["shortest_edge"] * 1.05))
+            h, w = smart_resize(H, W, factor, size["shortest_edge"], max_px)
+            x = torch.nn.functional.interpolate(x, size=(h, w), mode="bicubic", antialias=True)
+            frames = [f.permute(1, 2, 0).numpy() for f in x]
+            frames += frames[-1:] * (-T % tp)
+            # per frame [gh*gw, 3, tp, p*p] with the frame repeated over tp: keep one copy
+            one = [image_proc(images=[f], return_tensors="pt")["pixel_values"]
+                   .view(-1, 3, tp, p * p)[:, :, 0] for f in frames]
+            for t in range(0, len(one), tp):
+                pixels.append(torch.stack(one[t:t + tp], dim=2).reshape(one[0].shape[0], -1))
+            grids.append([len(one) // tp, h // p, w // p])
+        return BatchFeature({"pixel_values_videos": torch.cat(pixels),
+                             "video_grid_thw": torch.tensor(grids)})
+
+
+def build_tiny_omni_video_processor(path: str | Path) -> Qwen2_5OmniProcessor:
+    """transformers' `Qwen2_5OmniProcessor` with working video: transformers'
+    Qwen2VLVideoProcessor (cap_pixels_per_frame=True) where torchvision imports, otherwise
+    `_TinyOmniFrameVideoProcessor` (same output, built from the image processor)."""
+    try:
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+        video_proc: Any = Qwen2VLVideoProcessor(cap_pixels_per_frame=True)
+    except ImportError:  # torchvision missing (it does not import beside torch 2.13 CPU)
+        video_proc = _TinyOmniFrameVideoProcessor()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return _TinyOmniProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(path)),
+        video_processor=video_proc,
+        feature_extractor=WhisperFeatureExtractor.from_pretrained(str(path)),
+        tokenizer=tok, chat_template=tok.chat_template)
+
+
 def _scale_lm_weights_(module: torch.nn.Module, std: float) -> None:
     # Random LMs at std 0.02 sit near argmax ties; std 0.1 makes greedy decoding stable.
     for m in module.modules():

@@ -70,9 +70,10 @@ def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
     bs, n_kv = k_cache.shape[1], k_cache.shape[2]
     max_len = max(meta.seq_lens_cpu)
     nb = (max_len + bs - 1) // bs
-    tables = meta.block_tables[:, :nb].long()
-    k = k_cache[tables].reshape(B, nb * bs, n_kv, hd).transpose(1, 2)
-    v = v_cache[tables].reshape(B, nb * bs, n_kv, hd).transpose(1, 2)
+    flat = meta.block_tables[:, :nb].reshape(-1).long()
+    # index_select is several times faster than advanced indexing for this gather on CPU
+    k = k_cache.index_select(0, flat).view(B, nb * bs, n_kv, hd).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(B, nb * bs, n_kv, hd).transpose(1, 2)
     mask = torch.arange(nb * bs, device=q.device)[None, :] < meta.seq_lens[:, None]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=n_kv != H)

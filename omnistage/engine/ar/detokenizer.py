@@ -14,16 +14,19 @@ class DetokState:
     prefix: int = 0  # output index where the decode window starts
     read: int = 0  # output tokens already turned into text
     emitted: int = 0  # characters of the text already streamed out
+    window_text: str = ""  # decoded text of output[prefix:read] (saves one decode per step)
 
 
 def detokenize_step(tokenizer, ids: list[int], state: DetokState, skip_special: bool) -> str:
     """Text of the tokens since the last call (may be '' while a character is incomplete)."""
-    before = tokenizer.decode(ids[state.prefix:state.read], skip_special_tokens=skip_special)
+    before = state.window_text
     after = tokenizer.decode(ids[state.prefix:], skip_special_tokens=skip_special)
     if after.endswith("\ufffd") or len(after) <= len(before):
         return ""
-    state.prefix, state.read = state.read, len(ids)
-    return after[len(before):]
+    new = after[len(before):]
+    # the next window is [read, len): its text is exactly what this step adds
+    state.prefix, state.read, state.window_text = state.read, len(ids), new
+    return new
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> int | None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
+from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
 from omnistage.engine.ar.sampler import SamplingTensors, sample
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.interface import ForwardBatch
+from omnistage.models.layers import compile_layer_kernels
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks is unset
 
@@ -30,14 +34,22 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.num_blocks = self._num_blocks()
+        use_graphs = graphs_enabled(device)
         layers, n_kv, hd = model.kv_shape
-        shape = (layers, self.num_blocks, config.block_size, n_kv, hd)
+        # with graphs, one extra block past the block manager's range takes padding rows' K/V
+        shape = (layers, self.num_blocks + int(use_graphs), config.block_size, n_kv, hd)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.uses_mrope = getattr(model.config, "mrope_section", None) is not None
         self.num_forwards = 0
+        if device.type == "cuda" and os.environ.get("OMNISTAGE_COMPILE", "1") != "0":
+            compile_layer_kernels()
+        self.graphs = DecodeGraphs(
+            model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            block_size=config.block_size, dummy_block=self.num_blocks,
+            uses_mrope=self.uses_mrope, device=device, dtype=dtype) if use_graphs else None
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -129,21 +141,45 @@ class ModelRunner:
         pending = [s for s in batch.seqs if s.pending_media is not None]
         if pending:  # encoders run once per step over every prompt that needs them
             self.model.encode_media(pending)
+        if (self.graphs is not None and not pending
+                and self.graphs.can_run(batch.seqs, batch.num_tokens)):
+            return self._execute_graph(batch)
         fb, sample_rows = self.prepare(batch)
         hidden = self.model(fb)
         self.num_forwards += 1
-        result = StepResult({}, {})
         samplers = [s for s, n in zip(batch.seqs, batch.num_tokens)
                     if s.num_computed_tokens + n == s.num_tokens]
+        logits = self.model.compute_logits(hidden[sample_rows]) if samplers else None
+        return self._result(batch, hidden, samplers, logits, copy_hidden=False)
+
+    def _execute_graph(self, batch: ScheduledBatch) -> StepResult:
+        # decode-only: one row per sequence, replayed from the graph of the padded size
+        rows = [_input_rows(s, s.num_computed_tokens, s.num_computed_tokens + 1)
+                for s in batch.seqs]
+        hidden, logits = self.graphs.run(batch.seqs, [r[0] for r in rows], [r[1] for r in rows])
+        self.num_forwards += 1
+        idx = [r for r, s in enumerate(batch.seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        samplers = [batch.seqs[r] for r in idx]
+        if samplers and len(idx) < len(batch.seqs):
+            logits = logits[idx]
+        return self._result(batch, hidden, samplers, logits if samplers else None,
+                            copy_hidden=True)
+
+    def _result(self, batch: ScheduledBatch, hidden: torch.Tensor, samplers: list[Sequence],
+                logits: torch.Tensor | None, copy_hidden: bool) -> StepResult:
+        # hidden: [T, D] flat rows of the batch; logits: [len(samplers), V]
+        result = StepResult({}, {})
         if samplers:
-            logits = self.model.compute_logits(hidden[sample_rows])
             t = SamplingTensors.build(samplers, logits.shape[-1], self.device)
             tokens = sample(logits, t).tolist()
             result.sampled = {s.request_id: tok for s, tok in zip(samplers, tokens)}
         off = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.export_hidden:
-                result.hidden[seq.request_id] = (seq.num_computed_tokens, hidden[off:off + n])
+                rows = hidden[off:off + n]
+                # graph outputs are overwritten by the next replay
+                result.hidden[seq.request_id] = (seq.num_computed_tokens,
+                                                 rows.clone() if copy_hidden else rows)
             off += n
         return result
 

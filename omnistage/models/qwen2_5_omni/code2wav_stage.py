@@ -68,7 +68,7 @@ class Qwen2_5OmniCode2WavStage:
         _, wavs = self.model.generate(codes, [r.cond for _, r in ready],
                                       [r.ref_mel for _, r in ready], noises)
         self.batch_sizes.append(len(ready))
-        for (rid, r), wav in zip(ready, wavs):
+        for (rid, _), wav in zip(ready, wavs):
             events.append(StageEvent(self.name, rid, token_ids=[],
                                      audio=wav.float().cpu().numpy(), finished=True,
                                      finish_reason="stop"))

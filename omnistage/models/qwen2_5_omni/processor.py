@@ -1,10 +1,13 @@
 """Qwen2.5-Omni prompt processing: chat messages / raw prompts + media -> thinker inputs.
 
 Equals transformers' `Qwen2_5OmniProcessor` (ids exactly, features to float rounding) for text,
-audio and images; video is not supported yet. Loads the processor config from either layout:
-the legacy root `preprocessor_config.json` (feature extractor + image processor fields merged)
-or transformers 5's nested `processor_config.json`. Uses the PIL image processor, so torchvision
-is not needed.
+audio, images and video, with or without the video's audio track (`use_audio_in_video`: the
+track is extracted, featurised like any audio, and its placeholders are interleaved with the
+video's in 2-second chunks). Loads the processor config from either layout: the legacy root
+`preprocessor_config.json` (feature extractor + image processor fields merged) or transformers
+5's nested `processor_config.json`; video settings from its `video_processor` entry or
+`video_preprocessor_config.json`, else Qwen2.5-Omni's video defaults. Uses the PIL image
+processor and our own video preprocessing (video.py), so torchvision is not needed.
 
 Audio longer than the feature extractor's window (300 s on the released checkpoint) is
 rejected instead of silently truncated as transformers does.
@@ -14,10 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -32,6 +36,14 @@ from omnistage.models.qwen2_5_omni.rope_index import (
     Qwen2_5OmniRopeConfig,
     audio_tokens_for_frames,
     mrope_positions,
+    video_audio_layout,
+)
+from omnistage.models.qwen2_5_omni.video import (
+    DEFAULT_MAX_VIDEO_FRAMES,
+    DEFAULT_MAX_VIDEO_SECONDS,
+    Qwen2_5OmniVideoConfig,
+    load_video,
+    preprocess_video,
 )
 
 QWEN_AUDIO_SYSTEM_PROMPT = (
@@ -40,27 +52,30 @@ QWEN_AUDIO_SYSTEM_PROMPT = (
 AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN = "<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>"
 _PLACEHOLDERS = {"audio": AUDIO_TOKEN, "image": IMAGE_TOKEN, "video": VIDEO_TOKEN}
 _PART_TYPES = ("text", "audio", "image", "video")
+_URL_PARTS = ("image_url", "audio_url", "video_url")  # OpenAI style: {"type": "image_url", ...}
 
 
 @dataclass(frozen=True)
 class MediaItem:
     """One media input: its placeholder run is input_ids[start : start + length]."""
 
-    kind: str  # "audio" | "image"
+    kind: str  # "audio" | "image" | "video"
     index: int  # index among the prompt's items of this kind
     start: int
     length: int
     content_hash: bytes  # sha256 of the decoded samples / pixels (prefix-cache key)
+    audio_tokens: int = 0  # a video with its audio track: the run interleaves this many
 
 
 @dataclass
 class ProcessedPrompt:
     """Thinker inputs of one prompt.
 
-    audio_features: per audio, float32 [128, frames] (valid frames only);
-    image_pixel_values: float32 [sum of patches, 3 * 2 * 14 * 14] or None;
-    image_grid_thw: int64 [n_images, 3] or None; mrope_positions: int64 [3, len(input_ids)];
-    decode positions are `num_tokens + rope_delta` on all three axes.
+    audio_features: per audio in prompt order (a video's audio track at its video), float32
+    [128, frames] (valid frames only); image_pixel_values / video_pixel_values: float32
+    [sum of patches, 3 * 2 * 14 * 14] or None; image_grid_thw / video_grid_thw: int64 [n, 3] or
+    None; video_second_per_grid: float32 [n_videos] or None; mrope_positions: int64
+    [3, len(input_ids)]; decode positions are `num_tokens + rope_delta` on all three axes.
     """
 
     input_ids: list[int]
@@ -71,10 +86,41 @@ class ProcessedPrompt:
     mrope_positions: torch.LongTensor
     rope_delta: int
     prompt_text: str
+    video_pixel_values: torch.Tensor | None = None
+    video_grid_thw: torch.LongTensor | None = None
+    video_second_per_grid: torch.Tensor | None = None
+    use_audio_in_video: bool = False
+    placeholder_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def audio_feature_lengths(self) -> list[int]:
         return [int(f.shape[1]) for f in self.audio_features]
+
+    def media_rows(self) -> dict[str, list[torch.Tensor]]:
+        """Prompt indices (int64 [n]) of each item's encoder rows, per kind in feature order:
+        "audio" (standalone audio and video audio tracks, in prompt order), "image", "video"."""
+        rows: dict[str, list[torch.Tensor]] = {"audio": [], "image": [], "video": []}
+        ids = torch.tensor(self.input_ids)
+        for m in self.media:
+            span = torch.arange(m.start, m.start + m.length)
+            if m.audio_tokens:
+                is_video = ids[span] == self.placeholder_ids["video"]
+                rows["video"].append(span[is_video])
+                rows["audio"].append(span[~is_video])
+            else:
+                rows[m.kind].append(span)
+        return rows
+
+
+@dataclass(frozen=True)
+class _Video:
+    """One preprocessed video: pixel_values float32 [patches, 1176], grid [t, h, w]."""
+
+    pixel_values: torch.Tensor
+    grid: list[int]
+    second_per_grid: float
+    content_hash: bytes
+    audio_features: torch.Tensor | None  # its audio track's [128, frames], when used
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -103,6 +149,16 @@ def _processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                      "processor_config.json with feature_extractor and image_processor)")
 
 
+def _video_dict(root: Path) -> dict[str, Any]:
+    """The saved video processor settings, or {} (Qwen2.5-Omni's defaults apply)."""
+    nested = root / "processor_config.json"
+    if nested.is_file() and isinstance(_read_json(nested).get("video_processor"), dict):
+        return _read_json(nested)["video_processor"]
+    if (root / "video_preprocessor_config.json").is_file():
+        return _read_json(root / "video_preprocessor_config.json")
+    return {}
+
+
 def _chat_template(root: Path, tok: PreTrainedTokenizerBase) -> str:
     if tok.chat_template:
         return tok.chat_template
@@ -129,6 +185,9 @@ class Qwen2_5OmniInputProcessor:
                  rope_config: Qwen2_5OmniRopeConfig, *,
                  max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 video_config: Qwen2_5OmniVideoConfig | None = None,
+                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+                 max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
                  allow_local_paths: bool = True) -> None:
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
@@ -138,6 +197,9 @@ class Qwen2_5OmniInputProcessor:
         window = feature_extractor.n_samples / feature_extractor.sampling_rate
         self.max_audio_seconds = min(max_audio_seconds, window)
         self.max_image_pixels = max_image_pixels
+        self.video_config = video_config or Qwen2_5OmniVideoConfig()
+        self.max_video_frames = max_video_frames
+        self.max_video_seconds = max_video_seconds
         self.allow_local_paths = allow_local_paths
         self.token_ids = {kind: tokenizer.convert_tokens_to_ids(tok)
                           for kind, tok in _PLACEHOLDERS.items()}
@@ -156,25 +218,34 @@ class Qwen2_5OmniInputProcessor:
         if not thinker:
             raise ValueError(f"{root}/config.json: no thinker_config (not Qwen2.5-Omni?)")
         rope = Qwen2_5OmniRopeConfig.from_thinker_config(thinker)
+        limits.setdefault("video_config", Qwen2_5OmniVideoConfig.from_dict(_video_dict(root)))
         return cls(tok, fe, ip, _chat_template(root, tok), rope, **limits)
 
     # ------------------------------------------------------------------------------ public
 
     def process(self, messages: list[dict], *, add_audio_system_prompt: bool = False,
-                max_prompt_tokens: int | None = None) -> ProcessedPrompt:
-        """Render chat `messages` (Qwen's convention) with the chat template and expand media."""
+                max_prompt_tokens: int | None = None,
+                use_audio_in_video: bool = False) -> ProcessedPrompt:
+        """Render chat `messages` (Qwen's convention) with the chat template and expand media.
+
+        A video part is {"type": "video", "video": path | bytes | data URL | uint8 [T, H, W, 3]
+        frames | list of PIL images, "fps": optional}; with `use_audio_in_video`, each video
+        file's audio track (if it has one) is used too."""
         rendered, media = self._parse_messages(messages)
         if add_audio_system_prompt and not any(m["role"] == "system" for m in rendered):
             rendered.insert(0, {"role": "system", "content": QWEN_AUDIO_SYSTEM_PROMPT})
         text = self.tokenizer.apply_chat_template(
             rendered, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=True)
-        return self._build(text, media, "messages", max_prompt_tokens)
+        return self._build(text, media, "messages", max_prompt_tokens, use_audio_in_video)
 
     def process_prompt(self, prompt: str, multi_modal_data: dict | None = None, *,
-                       max_prompt_tokens: int | None = None) -> ProcessedPrompt:
-        """Raw prompt that already holds `<|AUDIO|>` / `<|IMAGE|>` placeholders (one per item,
-        usually wrapped as `<|audio_bos|><|AUDIO|><|audio_eos|>`); they are expanded here."""
+                       max_prompt_tokens: int | None = None,
+                       use_audio_in_video: bool = False) -> ProcessedPrompt:
+        """Raw prompt that already holds `<|AUDIO|>` / `<|IMAGE|>` / `<|VIDEO|>` placeholders
+        (one per item, wrapped as `<|audio_bos|><|AUDIO|><|audio_eos|>` /
+        `<|vision_bos|><|IMAGE|><|vision_eos|>`); they are expanded here. A video item may be
+        `(source, fps)`."""
         if not isinstance(prompt, str):
             raise ValueError(f"prompt: must be a string, got {type(prompt).__name__}")
         data = multi_modal_data or {}
@@ -182,14 +253,12 @@ class Qwen2_5OmniInputProcessor:
             raise ValueError("multi_modal_data: must be a dict")
         media: list[tuple[str, str, Any]] = []
         for key, value in data.items():
-            if key == "video":
-                raise ValueError("multi_modal_data.video: video input is not supported yet")
-            if key not in ("audio", "image"):
+            if key not in _PLACEHOLDERS:
                 raise ValueError(f"multi_modal_data.{key}: unknown modality "
-                                 "(expected 'audio' or 'image')")
+                                 "(expected 'audio', 'image' or 'video')")
             media += [(key, f"multi_modal_data.{key}[{i}]", v)
                       for i, v in enumerate(_as_list(value))]
-        return self._build(prompt, media, "prompt", max_prompt_tokens)
+        return self._build(prompt, media, "prompt", max_prompt_tokens, use_audio_in_video)
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -218,6 +287,8 @@ class Qwen2_5OmniInputProcessor:
                     self._check_text(value, f"{pw}.text")
                     parts.append({"type": "text", "text": value})
                 else:
+                    if kind == "video" and part.get("fps") is not None:
+                        value = (value, part["fps"])
                     media.append((kind, f"{pw}.{kind}", value))
                     # the template only looks at the type; keep media objects out of jinja
                     parts.append({"type": kind, kind: f"<{kind}>"})
@@ -229,15 +300,13 @@ class Qwen2_5OmniInputProcessor:
         if not isinstance(part, dict):
             raise ValueError(f"{where}: a content part must be a dict")
         kind = part.get("type") or next((k for k in _PART_TYPES if k in part), None)
-        if kind in ("image_url", "audio_url"):  # OpenAI style: {"type": "image_url", ...}
+        if kind in _URL_PARTS:
             ref = part.get(kind)
             url = ref.get("url") if isinstance(ref, dict) else ref
             return kind.removesuffix("_url"), url
         if kind not in _PART_TYPES:
             raise ValueError(f"{where}.type: unknown part type {kind!r} "
                              f"(expected one of {', '.join(_PART_TYPES)})")
-        if kind == "video":
-            raise ValueError(f"{where}.video: video input is not supported yet")
         if kind not in part:
             raise ValueError(f"{where}.{kind}: missing")
         if kind == "text" and not isinstance(part["text"], str):
@@ -268,12 +337,26 @@ class Qwen2_5OmniInputProcessor:
             raise RuntimeError(f"feature extractor gave {valid} valid frames, expected {frames}")
         return out["input_features"][0, :, :frames].contiguous()
 
+    def _load_video(self, src: Any, where: str, with_audio: bool) -> _Video:
+        fps = None
+        if isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (int, float)):
+            src, fps = src
+        video = load_video(src, where, self.video_config, fps=fps, with_audio=with_audio,
+                           max_frames=self.max_video_frames, max_seconds=self.max_video_seconds,
+                           max_frame_pixels=self.max_image_pixels,
+                           max_audio_seconds=self.max_audio_seconds,
+                           allow_local_paths=self.allow_local_paths)
+        pixels, grid = preprocess_video(video.frames, self.video_config)
+        feats = None if video.audio is None else \
+            self._audio_features(video.audio, f"{where} (its audio track)")
+        spg = video.second_per_grid(self.video_config.temporal_patch_size)
+        return _Video(pixels, grid, spg, video.content_hash, feats)
+
     def _build(self, text: str, media: list[tuple[str, str, Any]], field: str,
-               max_prompt_tokens: int | None) -> ProcessedPrompt:
-        if VIDEO_TOKEN in text:
-            raise ValueError(f"{field}: video placeholders are not supported yet")
+               max_prompt_tokens: int | None, use_audio_in_video: bool = False
+               ) -> ProcessedPrompt:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        for kind in ("audio", "image"):  # before any decoding work
+        for kind in _PLACEHOLDERS:  # before any decoding work
             wheres = [w for k, w, _ in media if k == kind]
             found = sum(1 for t in ids if t == self.token_ids[kind])
             if found < len(wheres):
@@ -283,45 +366,82 @@ class Qwen2_5OmniInputProcessor:
             if found > len(wheres):
                 raise ValueError(f"{field}: the prompt has {found} {_PLACEHOLDERS[kind]} "
                                  f"placeholders but {len(wheres)} {kind} items were given")
-        audio_feats: list[torch.Tensor] = []
-        hashes: dict[str, list[bytes]] = {"audio": [], "image": []}
-        images = []
+        audios: list[tuple[torch.Tensor, bytes]] = []
+        images, image_hashes, videos = [], [], []
         for kind, where, src in media:
             if kind == "audio":
                 audio = load_audio(src, where, max_audio_seconds=self.max_audio_seconds,
                                    allow_local_paths=self.allow_local_paths)
-                audio_feats.append(self._audio_features(audio.samples, where))
-                hashes["audio"].append(audio.content_hash)
-            else:
+                audios.append((self._audio_features(audio.samples, where), audio.content_hash))
+            elif kind == "image":
                 image = load_image(src, where, max_image_pixels=self.max_image_pixels,
                                    allow_local_paths=self.allow_local_paths)
                 images.append(image.image)
-                hashes["image"].append(image.content_hash)
+                image_hashes.append(image.content_hash)
+            else:
+                videos.append((where, self._load_video(src, where, use_audio_in_video)))
         pixel_values = grid = None
         if images:
             out = self.image_processor(images=images, return_tensors="pt")
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"].long()
         merge = self.image_processor.merge_size
-        lengths = {"audio": [audio_tokens_for_frames(f.shape[1]) for f in audio_feats],
-                   "image": [] if grid is None else [int(g.prod()) // merge**2 for g in grid]}
         expanded: list[int] = []
         items: list[MediaItem] = []
-        seen = {"audio": 0, "image": 0}
+        audio_feats: list[torch.Tensor] = []  # prompt order, video audio tracks included
+        seen = {"audio": 0, "image": 0, "video": 0}
         kind_of = {v: k for k, v in self.token_ids.items()}
-        for t in ids:
+        for pos, t in enumerate(ids):
             kind = kind_of.get(t)
             if kind is None:
                 expanded.append(t)
                 continue
             k = seen[kind]
-            n = lengths[kind][k]
-            items.append(MediaItem(kind, k, len(expanded), n, hashes[kind][k]))
-            expanded += [t] * n
             seen[kind] += 1
+            if kind == "audio":
+                feats, digest = audios[k]
+                audio_feats.append(feats)
+                n = audio_tokens_for_frames(feats.shape[1])
+                items.append(MediaItem(kind, k, len(expanded), n, digest))
+                expanded += [t] * n
+            elif kind == "image":
+                n = int(grid[k].prod()) // merge**2
+                items.append(MediaItem(kind, k, len(expanded), n, image_hashes[k]))
+                expanded += [t] * n
+            else:
+                where, v = videos[k]
+                if v.audio_features is None:
+                    n = int(np.prod(v.grid)) // merge**2
+                    items.append(MediaItem(kind, k, len(expanded), n, v.content_hash))
+                    expanded += [t] * n
+                    continue
+                self._check_video_wrapping(ids, pos, where)
+                n_audio = audio_tokens_for_frames(v.audio_features.shape[1])
+                runs = video_audio_layout(v.grid, v.second_per_grid, n_audio, self.rope_config)
+                run = [t if is_video else self.token_ids["audio"]
+                       for is_video, n in runs for _ in range(n)]
+                expanded.append(self.rope_config.audio_start_token_id)
+                items.append(MediaItem(kind, k, len(expanded), len(run), v.content_hash,
+                                       audio_tokens=n_audio))
+                expanded += run + [self.rope_config.audio_end_token_id]
+                audio_feats.append(v.audio_features)
         if max_prompt_tokens is not None and len(expanded) > max_prompt_tokens:
             raise ValueError(f"{field}: prompt is {len(expanded)} tokens (with media), more than "
                              f"max_prompt_tokens={max_prompt_tokens}")
+        vids = [v for _, v in videos]
+        video_pixels = torch.cat([v.pixel_values for v in vids]) if vids else None
+        video_grid = torch.tensor([v.grid for v in vids], dtype=torch.long) if vids else None
+        spg = torch.tensor([v.second_per_grid for v in vids]) if vids else None
         positions, delta = mrope_positions(
-            expanded, grid, [f.shape[1] for f in audio_feats], self.rope_config)
+            expanded, grid, [f.shape[1] for f in audio_feats], self.rope_config,
+            video_grid_thw=video_grid, second_per_grid=spg, use_audio_in_video=use_audio_in_video)
         return ProcessedPrompt(expanded, audio_feats, pixel_values, grid, items, positions,
-                               delta, text)
+                               delta, text, video_pixels, video_grid, spg, use_audio_in_video,
+                               dict(self.token_ids))
+
+    def _check_video_wrapping(self, ids: list[int], pos: int, where: str) -> None:
+        # the interleaved layout (and its positions) needs the video wrapped in vision bos/eos
+        cfg = self.rope_config
+        if not (0 < pos < len(ids) - 1 and ids[pos - 1] == cfg.vision_start_token_id
+                and ids[pos + 1] == cfg.vision_end_token_id):
+            raise ValueError(f"{where}: a video used with its audio must be placed as "
+                             f"<|vision_bos|>{VIDEO_TOKEN}<|vision_eos|> in the prompt")

@@ -5,6 +5,10 @@ token. An image (or video) run places its tokens on a (t, h, w) grid of merged p
 at the next free position; the text after it continues at 1 + the largest position used so far.
 Decode positions are `num_tokens_so_far + rope_delta` on all three axes.
 
+A video with its audio track (`use_audio_in_video`) is `<|vision_bos|><|audio_bos|>` + video and
+audio placeholders interleaved in 2-second chunks + `<|audio_eos|><|vision_eos|>` (see
+`video_audio_layout`); a video without that prefix (no audio track) is laid out as usual.
+
 Results equal transformers' `Qwen2_5OmniThinkerForConditionalGeneration.get_rope_index` for
 well-formed prompts (each placeholder run has exactly the length its media needs); malformed
 prompts raise ValueError here instead of getting shifted positions.
@@ -12,10 +16,11 @@ prompts raise ValueError here instead of getting shifted positions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -73,11 +78,82 @@ def _vision_grid(start: int, grid_thw: Sequence[int], merge: int, t_step: torch.
     return torch.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + start
 
 
-def _run_end(ids: list[int], start: int, token: int) -> int:
+def _run_end(ids: list[int], start: int, *tokens: int) -> int:
     end = start
-    while end < len(ids) and ids[end] == token:
+    while end < len(ids) and ids[end] in tokens:
         end += 1
     return end
+
+
+def chunk_bounds(values: Iterable[float], per_chunk: int) -> list[tuple[int, int]]:
+    """[start, end) ranges splitting ascending time `values` into Qwen2.5-Omni's chunks.
+
+    A new range starts at index i when values[i] >= k * per_chunk, k being the number of ranges
+    so far; k rises by one per split, so a jump over several chunk lengths splits one time step
+    over several ranges (transformers' processor and model both chunk this way)."""
+    bounds: list[tuple[int, int]] = []
+    start, k, n = 0, 1, 0
+    for n, v in enumerate(values, 1):
+        if v >= k * per_chunk:
+            bounds.append((start, n - 1))
+            start, k = n - 1, k + 1
+    bounds.append((start, n))
+    return bounds
+
+
+def video_audio_layout(grid_thw: Sequence[int], second_per_grid: float, num_audio_tokens: int,
+                       cfg: Qwen2_5OmniRopeConfig) -> list[tuple[bool, int]]:
+    """Placeholder runs [(is_video, count), ...] of a video interleaved with its audio track:
+    video chunk 0, audio chunk 0, video chunk 1, ... (empty runs dropped). Times are float64
+    t * second_per_grid * position_id_per_seconds, as transformers' processor computes them."""
+    t, h, w = (int(x) for x in grid_thw)
+    per_step = (h // cfg.spatial_merge_size) * (w // cfg.spatial_merge_size)
+    times = np.repeat(np.arange(t), per_step) * second_per_grid * cfg.position_id_per_seconds
+    per_chunk = int(cfg.position_id_per_seconds * cfg.seconds_per_chunk)
+    v_chunks = chunk_bounds(times.tolist(), per_chunk)
+    a_chunks = chunk_bounds(range(num_audio_tokens), per_chunk)
+    runs = []
+    for k in range(max(len(v_chunks), len(a_chunks))):
+        for is_video, chunks in ((True, v_chunks), (False, a_chunks)):
+            if k < len(chunks) and chunks[k][1] > chunks[k][0]:
+                runs.append((is_video, chunks[k][1] - chunks[k][0]))
+    return runs
+
+
+def _video_with_audio(ids: list[int], j: int, grid: list[int], t_steps: torch.Tensor,
+                      audio_frames: int, bos: int, cfg: Qwen2_5OmniRopeConfig,
+                      pieces: list[torch.Tensor]) -> int:
+    """Append the positions of `<|vision_bos|><|audio_bos|>` + the run at j + the two end
+    tokens to `pieces`; returns the index after the end tokens.
+
+    NOTE (as transformers' get_rope_index builds it): both start tokens share one position;
+    video (t, h, w) and audio (1-D) positions both count from the next one; the pieces follow
+    in chunk order (video chunk k, then audio chunk k), whatever the ids' order; both end
+    tokens share the position after the largest one of the LAST piece, not of the block."""
+    pieces.append(torch.full((3, 2), bos, dtype=torch.long))
+    vid = _vision_grid(bos + 1, grid, cfg.spatial_merge_size, t_steps)
+    n_audio = audio_tokens_for_frames(audio_frames)
+    aud = (torch.arange(n_audio) + bos + 1).view(1, -1).expand(3, -1)
+    end = _run_end(ids, j, cfg.video_token_id, cfg.audio_token_id)
+    n_video_ids = sum(1 for t in ids[j:end] if t == cfg.video_token_id)
+    if n_video_ids != vid.shape[1] or end - j - n_video_ids != n_audio:
+        raise ValueError(f"input_ids: video+audio block at {j} has {n_video_ids} video / "
+                         f"{end - j - n_video_ids} audio tokens, its media needs "
+                         f"{vid.shape[1]} / {n_audio}")
+    if ids[end:end + 2] != [cfg.audio_end_token_id, cfg.vision_end_token_id]:
+        raise ValueError(f"input_ids: video with audio ending at {end} must be followed "
+                         "by <|audio_eos|><|vision_eos|>")
+    per_chunk = int(cfg.position_id_per_seconds * cfg.seconds_per_chunk)
+    v_chunks = chunk_bounds((vid[0] - bos - 1).tolist(), per_chunk)
+    a_chunks = chunk_bounds(range(n_audio), per_chunk)
+    block = []
+    for k in range(max(len(v_chunks), len(a_chunks))):
+        for chunks, rows in ((v_chunks, vid), (a_chunks, aud)):
+            if k < len(chunks) and chunks[k][1] > chunks[k][0]:
+                block.append(rows[:, chunks[k][0]:chunks[k][1]])
+    pieces.extend(block)
+    pieces.append(torch.full((3, 2), int(block[-1].max()) + 1, dtype=torch.long))
+    return end + 2
 
 
 def mrope_positions(
@@ -95,8 +171,8 @@ def mrope_positions(
     image_grid_thw [n_images, 3] and video_grid_thw [n_videos, 3] are in patches (before the
     spatial merge); audio_seqlens [n_audios] are the valid mel frame counts of each audio;
     second_per_grid [n_videos] seconds per temporal grid step. With `use_audio_in_video`, each
-    video is laid out as `<|vision_bos|><|audio_bos|>` + interleaved video/audio chunks +
-    `<|audio_eos|><|vision_eos|>` and consumes the next audio.
+    video placed as `<|vision_bos|><|audio_bos|>` + interleaved video/audio chunks +
+    `<|audio_eos|><|vision_eos|>` consumes the next audio; other videos are plain.
     """
     cfg = config if isinstance(config, Qwen2_5OmniRopeConfig) else \
         Qwen2_5OmniRopeConfig.from_thinker_config(config)
@@ -142,41 +218,15 @@ def mrope_positions(
             text(j - i)
             break
         tok = ids[j]
-        if tok == cfg.video_token_id and use_audio_in_video:
-            # NOTE: both start tokens share one position, video and audio each continue from
-            # the next one (their chunk interleaving does not change either's positions), and
-            # both end tokens share the position after the largest one used.
-            if j - i < 2 or ids[j - 2] != cfg.vision_start_token_id or \
-                    ids[j - 1] != cfg.audio_start_token_id:
-                raise ValueError(f"input_ids: video with audio at {j} must follow "
-                                 "<|vision_bos|><|audio_bos|>")
+        if tok == cfg.video_token_id and use_audio_in_video and j >= 2 and \
+                ids[j - 2] == cfg.vision_start_token_id and ids[j - 1] == cfg.audio_start_token_id:
             if n_vid >= len(videos) or n_aud >= len(audios):
                 raise ValueError("input_ids: more videos with audio than video_grid_thw / "
                                  "audio_seqlens entries")
             text(j - 2 - i)
-            bos = next_pos
-            pieces.append(torch.full((3, 2), bos, dtype=torch.long))
-            g = videos[n_vid]
-            vid = _vision_grid(bos + 1, g, merge, video_t_steps(n_vid, g[0]))
-            aud = torch.arange(audio_tokens_for_frames(audios[n_aud])).view(1, -1).expand(3, -1)
-            aud = aud + bos + 1
-            end = j
-            while end < len(ids) and ids[end] in (cfg.video_token_id, cfg.audio_token_id):
-                end += 1
-            block = torch.ones((3, end - j), dtype=torch.long)
-            is_vid = torch.tensor(ids[j:end]) == cfg.video_token_id
-            if int(is_vid.sum()) != vid.shape[1] or int((~is_vid).sum()) != aud.shape[1]:
-                raise ValueError(f"input_ids: video+audio block at {j} has {int(is_vid.sum())} "
-                                 f"video / {int((~is_vid).sum())} audio tokens, its media needs "
-                                 f"{vid.shape[1]} / {aud.shape[1]}")
-            block[:, is_vid], block[:, ~is_vid] = vid, aud
-            pieces.append(block)
-            last = max(int(vid.max()), int(aud.max())) + 1
-            pieces.append(torch.full((3, 2), last, dtype=torch.long))
-            if ids[end:end + 2] != [cfg.audio_end_token_id, cfg.vision_end_token_id]:
-                raise ValueError(f"input_ids: video with audio ending at {end} must be followed "
-                                 "by <|audio_eos|><|vision_eos|>")
-            next_pos, i = last + 1, end + 2
+            i = _video_with_audio(ids, j, videos[n_vid], video_t_steps(n_vid, videos[n_vid][0]),
+                                  audios[n_aud], next_pos, cfg, pieces)
+            next_pos = int(pieces[-1].max()) + 1
             n_vid, n_aud = n_vid + 1, n_aud + 1
             continue
         text(j - i)
@@ -206,7 +256,7 @@ def mrope_positions(
     if not pieces:
         return torch.zeros((3, 0), dtype=torch.long), 0
     positions = torch.cat(pieces, dim=1)
-    return positions, next_pos - positions.shape[1]
+    return positions, int(positions.max()) + 1 - positions.shape[1]
 
 
 def mrope_decode_positions(num_tokens: int, rope_delta: int, n: int = 1) -> torch.LongTensor:

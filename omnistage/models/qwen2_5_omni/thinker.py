@@ -3,7 +3,7 @@ embeddings at audio / image placeholders come from the audio and vision encoders
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,13 +17,18 @@ from omnistage.models.registry import register_model
 
 @dataclass
 class Qwen2_5OmniMediaInputs:
-    """Encoder inputs of one prompt, waiting for the step that prefills it (CPU tensors)."""
+    """Encoder inputs of one prompt, waiting for the step that prefills it (CPU tensors).
+    *_positions: per item, the prompt indices (int64 [n]) its encoder rows replace; audio items
+    are in prompt order (a video's audio track interleaves with its video's rows)."""
 
     audio_features: list[torch.Tensor]  # per audio [128, frames]
-    pixel_values: torch.Tensor | None  # [patches, 1176]
+    pixel_values: torch.Tensor | None  # images [patches, 1176]
     image_grid_thw: torch.Tensor | None  # [n_images, 3]
-    audio_positions: list[tuple[int, int]]  # placeholder spans [start, end) in the prompt
-    image_positions: list[tuple[int, int]]
+    audio_positions: list[torch.Tensor]
+    image_positions: list[torch.Tensor]
+    video_pixel_values: torch.Tensor | None = None  # [patches, 1176]
+    video_grid_thw: torch.Tensor | None = None  # [n_videos, 3]
+    video_positions: list[torch.Tensor] = field(default_factory=list)
 
 
 @register_model("Qwen2_5OmniThinker")
@@ -57,28 +62,33 @@ class Qwen2_5OmniThinkerForCausalLM(DecoderForCausalLM):
         device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
         inputs = [s.pending_media for s in seqs]
         audio = [f.to(device, dtype) for m in inputs for f in m.audio_features]
-        audio_out = self.audio_tower(audio) if audio else []
-        pix = [m.pixel_values for m in inputs if m.pixel_values is not None]
-        image_rows = None
-        if pix:
-            grids = torch.cat([m.image_grid_thw for m in inputs if m.image_grid_thw is not None])
-            image_rows = self.visual(torch.cat(pix).to(device, dtype), grids.to(device))
-        a, img_off = 0, 0
+        audio_out = iter(self.audio_tower(audio) if audio else [])
+        # images and videos in one vision pass (each grid is encoded on its own)
+        vis = [(m.pixel_values, m.image_grid_thw) for m in inputs if m.pixel_values is not None]
+        vis += [(m.video_pixel_values, m.video_grid_thw) for m in inputs
+                if m.video_pixel_values is not None]
+        vis_out, offset = None, {"image": 0, "video": 0}
+        if vis:
+            grids = torch.cat([g for _, g in vis])
+            vis_out = self.visual(torch.cat([p for p, _ in vis]).to(device, dtype),
+                                  grids.to(device))
+            offset["video"] = sum(int(m.image_grid_thw.prod(-1).sum()) for m in inputs
+                                  if m.pixel_values is not None) // self.visual.merge**2
         for seq, m in zip(seqs, inputs):
             embeds = torch.zeros(seq.num_prompt_tokens, self.config.hidden_size,
                                  device=device, dtype=dtype)
             mask = torch.zeros(seq.num_prompt_tokens, dtype=torch.bool, device=device)
-            for start, end in m.audio_positions:
-                rows = audio_out[a]
-                a += 1
-                if rows.shape[0] != end - start:
-                    raise ValueError(f"audio placeholder span {end - start} != encoder rows "
-                                     f"{rows.shape[0]}")
-                embeds[start:end], mask[start:end] = rows, True
-            for start, end in m.image_positions:
-                n = end - start
-                embeds[start:end], mask[start:end] = image_rows[img_off:img_off + n], True
-                img_off += n
+            for idx in m.audio_positions:
+                feats = next(audio_out)
+                if feats.shape[0] != idx.numel():
+                    raise ValueError(f"audio placeholder count {idx.numel()} != encoder rows "
+                                     f"{feats.shape[0]}")
+                embeds[idx.to(device)], mask[idx.to(device)] = feats, True
+            for kind, positions in (("image", m.image_positions), ("video", m.video_positions)):
+                for idx in positions:
+                    n, o = idx.numel(), offset[kind]
+                    embeds[idx.to(device)], mask[idx.to(device)] = vis_out[o:o + n], True
+                    offset[kind] += n
             seq.prompt_embeds, seq.prompt_embeds_mask = embeds, mask
             seq.pending_media = None
 
@@ -86,15 +96,15 @@ class Qwen2_5OmniThinkerForCausalLM(DecoderForCausalLM):
 def thinker_sequence(request_id: str, prompt: ProcessedPrompt, params, seed: int,
                      export_hidden: bool = False) -> Sequence:
     """An engine Sequence for a processed Qwen2.5-Omni prompt."""
-    audio = [(m.start, m.start + m.length) for m in prompt.media if m.kind == "audio"]
-    image = [(m.start, m.start + m.length) for m in prompt.media if m.kind == "image"]
     seq = Sequence(request_id, list(prompt.input_ids), params, seed,
                    media=[MediaSpan(m.start, m.start + m.length, m.content_hash)
                           for m in prompt.media],
                    mrope_positions=prompt.mrope_positions, rope_delta=prompt.rope_delta,
                    export_hidden=export_hidden)
     if prompt.media:
+        rows = prompt.media_rows()
         seq.pending_media = Qwen2_5OmniMediaInputs(
             list(prompt.audio_features), prompt.image_pixel_values, prompt.image_grid_thw,
-            audio, image)
+            rows["audio"], rows["image"], prompt.video_pixel_values, prompt.video_grid_thw,
+            rows["video"])
     return seq

@@ -181,7 +181,7 @@ def test_process_prompt(ours) -> None:
         ours.process_prompt(base.prompt_text, {"audio": [TONE, NOISE], "image": IMG_A})
     with pytest.raises(ValueError, match=r"prompt: the prompt has 1 <\|IMAGE\|> placeholders"):
         ours.process_prompt(base.prompt_text, {"audio": TONE})
-    with pytest.raises(ValueError, match=r"multi_modal_data\.video: .*not supported yet"):
+    with pytest.raises(ValueError, match=r"multi_modal_data\.video\[0\]: the prompt has no"):
         ours.process_prompt("hi", {"video": np.zeros((2, 28, 28, 3))})
 
 
@@ -205,7 +205,7 @@ def _corrupt_png() -> bytes:
     ([_image(Image.new("RGB", (5000, 4000)))],
      r"messages\[0\]\.content\[0\]\.image: image is 5000x4000"),
     ([{"type": "video", "video": "x.mp4"}],
-     r"messages\[0\]\.content\[0\]\.video: video input is not supported yet"),
+     r"messages\[0\]\.content\[0\]\.video: video file not found: x\.mp4"),
     ([_text("inject <|AUDIO|> here")], r"messages\[0\]\.content\[0\]\.text: contains the reserved"),
     ([{"type": "sound", "sound": 1}], r"messages\[0\]\.content\[0\]\.type: unknown part type"),
 ])
