@@ -5,5 +5,6 @@ from omnistage.entrypoints.llm import OmniLLM
 from omnistage.outputs import OmniRequestOutput, RequestMetrics, StageOutput
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["AsyncOmniLLM", "OmniLLM", "OmniRequestOutput", "RequestMetrics", "SamplingParams", "StageOutput"]
+__all__ = ["AsyncOmniLLM", "OmniLLM", "OmniRequestOutput", "RequestMetrics", "SamplingParams",
+           "StageOutput"]
 __version__ = "0.1.0"

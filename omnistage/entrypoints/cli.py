@@ -1,22 +1,51 @@
-"""The `omnistage` command: generate, demo (serve and bench come with their issues)."""
+"""The `omnistage` command: serve (OpenAI-compatible server), generate (one request from the
+shell), demo (everything on an embedded tiny model, no download)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
-import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 
 from omnistage.sampling_params import SamplingParams
 
+EMBEDDED_MODEL_NAME = "tiny-qwen2.5-omni"
+# omnistage/assets/question.wav: `espeak-ng -v en-us -s 150` of this text, 16 kHz mono PCM16
+DEMO_QUESTION = "What is the capital of France?"
+DEMO_ASSET = "question.wav"
+
+
+def embedded_tiny_omni() -> Path:
+    """The embedded tiny random Qwen2.5-Omni, built once (seconds) into the cache directory
+    ($OMNISTAGE_CACHE_DIR, else $XDG_CACHE_HOME/omnistage, else ~/.cache/omnistage)."""
+    from omnistage.testing.tiny_omni import build_tiny_omni
+    root = os.environ.get("OMNISTAGE_CACHE_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnistage"
+    return build_tiny_omni(Path(root) / "tiny-qwen2_5-omni")
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", default=None, help="pipeline YAML (default: the built-in one)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, "
                    "bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per AR stage")
+    p.add_argument("--block-size", type=int, default=None)
+
+
+def _engine_kwargs(args) -> dict:
+    opts = {k: getattr(args, k) for k in ("max_model_len", "max_num_seqs",
+                                          "max_num_batched_tokens", "num_kv_blocks",
+                                          "block_size")}
+    return {"pipeline": args.pipeline, "device": args.device, "dtype": args.dtype,
+            **{k: v for k, v in opts.items() if v is not None}}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -32,59 +61,174 @@ def _params(args) -> SamplingParams:
                           max_tokens=args.max_tokens, seed=args.seed)
 
 
+def _write_wav(path: str, audio, sample_rate: int) -> None:
+    import soundfile
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    soundfile.write(path, audio, sample_rate, subtype="PCM_16")
+
+
+# ---------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
     from omnistage import OmniLLM
-    llm = OmniLLM(args.model, device=args.device, dtype=args.dtype,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
-    prompt = ({"messages": [{"role": "user", "content": args.prompt}]} if args.chat
-              else args.prompt)
-    out = llm.generate(prompt, _params(args), use_tqdm=False)[0]
+    media = [("audio", p) for p in args.audio] + [("image", p) for p in args.image] + \
+        [("video", p) for p in args.video]
+    if args.prompt is None and not media:
+        print("error: give --prompt and/or --audio / --image / --video", file=sys.stderr)
+        return 2
+    for _, p in media:
+        if not Path(p).is_file():
+            print(f"error: no such file: {p}", file=sys.stderr)
+            return 2
+    llm = OmniLLM(args.model, **_engine_kwargs(args))
+    if media:
+        parts = [{"type": kind, kind: p} for kind, p in media]
+        parts += [{"type": "text", "text": args.prompt}] if args.prompt else []
+        prompt = {"messages": [{"role": "user", "content": parts}]}
+    elif args.chat or args.output_audio:
+        prompt = {"messages": [{"role": "user", "content": args.prompt}]}
+    else:
+        prompt = args.prompt
+    modalities = ["text", "audio"] if args.output_audio else ["text"]
+    if args.voice and isinstance(prompt, dict):
+        prompt["voice"] = args.voice
+    out = llm.generate(prompt, _params(args), output_modalities=modalities, use_tqdm=False)[0]
+    llm.shutdown()
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
     print(out.text)
+    if args.output_audio:
+        _write_wav(args.output_audio, out.audio, out.sample_rate)
+        print(f"wrote {args.output_audio} ({len(out.audio) / out.sample_rate:.2f} s)",
+              file=sys.stderr)
     return 0
 
 
+# ---------------------------------------------------------------------------------- demo
 def cmd_demo(args) -> int:
     from omnistage import OmniLLM
-    from omnistage.testing.tiny_lm import build_tiny_lm
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_lm(Path(tmp) / "tiny-qwen2", "qwen2", hidden_size=128, num_layers=2)
-        t_build = time.perf_counter() - t0
-        llm = OmniLLM(str(path), device=args.device)
-        t1 = time.perf_counter()
-        outs = llm.generate(["Beautiful is better than", "Simple is better than",
-                             {"messages": [{"role": "user", "content": "Say hello."}]}],
-                            SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=0),
-                            use_tqdm=False)
-        t_gen = time.perf_counter() - t1
-    for o in outs:
-        print(f"[{o.request_id}] {o.text!r}")
-    n = sum(len(o.token_ids) for o in outs)
-    print(f"built the tiny model in {t_build:.2f} s; generated {n} tokens for {len(outs)} "
-          f"requests in {t_gen:.2f} s on {llm.device}")
-    print("NOTE: this is a tiny model with random weights, so its text is noise. Point omnistage "
-          "at a real checkpoint: `omnistage generate Qwen/Qwen2.5-Omni-7B --prompt ...` or "
-          "`omnistage generate /path/to/checkpoint --prompt ...`.")
+    path = embedded_tiny_omni()
+    t_build = time.perf_counter() - t0
+    llm = OmniLLM(str(path), device=args.device)
+    t_load = time.perf_counter() - t0 - t_build
+    question = (resources.files("omnistage") / "assets" / DEMO_ASSET).read_bytes()
+    prompt = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": question}]}]}
+    t1 = time.perf_counter()
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                              seed=args.seed),
+                       output_modalities=["text", "audio"], use_tqdm=False)[0]
+    wall = time.perf_counter() - t1
+    stats = llm.runtime.stats()
+    llm.shutdown()
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    _write_wav(args.output, out.audio, out.sample_rate)
+    seconds = len(out.audio) / out.sample_rate
+    m = out.metrics
+    print(f"model: the embedded tiny random Qwen2.5-Omni at {path} (built/reused in "
+          f"{t_build:.2f} s, loaded in {t_load:.2f} s, device {llm.device})")
+    print(f"asked (spoken, {DEMO_ASSET}): {DEMO_QUESTION!r}")
+    print(f"reply text: {out.text!r}")
+    print(f"reply audio: {args.output} ({seconds:.2f} s at {out.sample_rate} Hz)")
+    print(f"timings: first text token {m.ttft or 0:.3f} s, first audio {m.ttfa or 0:.3f} s, "
+          f"total {m.e2e or 0:.3f} s (wall {wall:.3f} s)")
+    print(f"  {'stage':<10}{'tokens':>8}{'busy s':>10}")
+    for stage in llm.stage_names:
+        print(f"  {stage:<10}{m.tokens_per_stage.get(stage, 0):>8}"
+              f"{stats[stage].get('busy_seconds', 0.0):>10.3f}")
+    print("NOTE: this model has random weights, so its text is gibberish and it speaks noise; "
+          "the point is the whole pipeline (audio in -> thinker -> talker -> code2wav -> WAV) "
+          "running on your machine. For real answers point omnistage at a real checkpoint:\n"
+          "  omnistage generate Qwen/Qwen2.5-Omni-7B --audio question.wav --output-audio "
+          "reply.wav\n  omnistage serve Qwen/Qwen2.5-Omni-7B   (OpenAI-compatible server; "
+          "see docs/quickstart.md)")
     return 0
+
+
+# ---------------------------------------------------------------------------------- serve
+def cmd_serve(args) -> int:
+    from omnistage.entrypoints.async_llm import AsyncOmniLLM
+    from omnistage.entrypoints.openai.server import run_server
+    from omnistage.entrypoints.openai.serving import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
+    config = ServerConfig(
+        served_model_names=names, api_key=args.api_key or os.environ.get("OMNISTAGE_API_KEY"),
+        max_queue=args.max_queue, max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        allow_remote_media=args.allow_remote_media, allow_local_media=args.allow_local_media,
+        max_audio_seconds=args.max_audio_seconds, shutdown_timeout=args.shutdown_timeout)
+    config.validate()  # before any model loading
+    model = args.model
+    if model is None:
+        logging.getLogger("omnistage.server").info("no MODEL given: serving the embedded tiny "
+                                                   "random Qwen2.5-Omni (noise, for trying out)")
+        model = str(embedded_tiny_omni())
+    llm = AsyncOmniLLM(model, request_timeout=args.request_timeout, **_engine_kwargs(args))
+    run_server(llm, config, args.host, args.port, log_level=args.log_level,
+               access_log=args.access_log)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server (chat, audio speech, metrics)")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub id "
+                   "(default: the embedded tiny Qwen2.5-Omni)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+                   "(default: $OMNISTAGE_API_KEY, else none)")
+    s.add_argument("--served-model-name", action="append", default=None,
+                   help="model name(s) clients use (default: MODEL as given)")
+    s.add_argument("--max-queue", type=int, default=256, help="generation requests in flight; "
+                   "more get 429 with Retry-After")
+    s.add_argument("--max-request-mb", type=float, default=64.0, help="request body limit")
+    s.add_argument("--max-audio-seconds", type=float, default=300.0,
+                   help="longest input audio part")
+    s.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    s.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch http(s) image_url / video_url (off: data URLs only)")
+    s.add_argument("--allow-local-media", action="store_true",
+                   help="video_url may name a file on the server")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to let running requests finish")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    s.add_argument("--access-log", action="store_true")
+
+    g = sub.add_parser("generate", help="one request from the shell")
+    g.add_argument("model", help="checkpoint directory or hub id")
+    g.add_argument("--prompt", default=None, help="text (with media: the text part)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--audio", action="append", default=[], help="audio file (repeatable)")
+    g.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    g.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    g.add_argument("--output-audio", default=None, help="also speak: write the reply as WAV")
+    g.add_argument("--voice", default=None, help="speaker (e.g. Chelsie, Ethan)")
+    _engine_args(g)
+    _sampling_args(g)
+
+    d = sub.add_parser("demo", help="everything on an embedded tiny model, no download")
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--output", default="omnistage-demo-reply.wav", help="reply WAV path")
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="one request from the shell")
-    g.add_argument("model", help="checkpoint directory or hub id")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    _engine_args(g)
-    _sampling_args(g)
-    d = sub.add_parser("demo", help="everything on an embedded tiny model, no download")
-    d.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)
+        return {"serve": cmd_serve, "generate": cmd_generate,
+                "demo": cmd_demo}[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

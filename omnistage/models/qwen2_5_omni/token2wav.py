@@ -53,6 +53,28 @@ class Qwen2_5OmniToken2Wav(nn.Module):
         gen = torch.Generator().manual_seed(int(seed))
         return torch.randn(1, max_frames, mel_dim, generator=gen)[0, :num_frames].clone()
 
+    def check_voice(self, cond: torch.Tensor, ref_mel: torch.Tensor, cond_name: str = "cond",
+                    ref_name: str = "ref_mel") -> tuple[torch.Tensor, torch.Tensor]:
+        """Check one voice; returns (cond [1, E], ref_mel [1, L, M]). Errors name the fields."""
+        spec = self.spec
+        min_ref = self.code2wav_dit_model.input_embed.spk_encoder.min_frames
+        for name, t in ((cond_name, cond), (ref_name, ref_mel)):
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+                raise ValueError(f"{name}: expected a floating-point torch.Tensor")
+        if cond.numel() != spec.enc_emb_dim or cond.dim() > 2:
+            raise ValueError(f"{cond_name}: expected shape [{spec.enc_emb_dim}] or "
+                             f"[1, {spec.enc_emb_dim}], got {list(cond.shape)}")
+        r = ref_mel.unsqueeze(0) if ref_mel.dim() == 2 else ref_mel
+        if r.dim() != 3 or r.shape[0] != 1 or r.shape[2] != spec.mel_dim:
+            raise ValueError(f"{ref_name}: expected shape [L, {spec.mel_dim}] or "
+                             f"[1, L, {spec.mel_dim}], got {list(ref_mel.shape)}")
+        if r.shape[1] < min_ref:
+            raise ValueError(f"{ref_name}: needs at least {min_ref} frames")
+        for name, t in ((cond_name, cond), (ref_name, r)):
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name}: contains NaN or inf")
+        return cond.reshape(1, -1), r
+
     def _validate(self, codes: list[torch.Tensor], conds: list[torch.Tensor],
                   ref_mels: list[torch.Tensor], noises: list[torch.Tensor], num_steps: int
                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -69,7 +91,6 @@ class Qwen2_5OmniToken2Wav(nn.Module):
             raise ValueError("codes: no requests")
         if int(num_steps) < 2:
             raise ValueError(f"num_steps: must be >= 2, got {num_steps}")
-        min_ref = self.code2wav_dit_model.input_embed.spk_encoder.min_frames
         out = []
         for i, (c, s, r, z) in enumerate(zip(codes, conds, ref_mels, noises, strict=True)):
             for name, t in (("codes", c), ("conds", s), ("ref_mels", r), ("noises", z)):
@@ -89,25 +110,15 @@ class Qwen2_5OmniToken2Wav(nn.Module):
             if frames > spec.max_position_embeddings:
                 raise ValueError(f"codes[{i}]: {frames} mel frames exceed "
                                  f"max_position_embeddings {spec.max_position_embeddings}")
-            if s.numel() != spec.enc_emb_dim or s.dim() > 2:
-                raise ValueError(f"conds[{i}]: expected shape [{spec.enc_emb_dim}] or "
-                                 f"[1, {spec.enc_emb_dim}], got {list(s.shape)}")
-            if r.dim() == 2:
-                r = r.unsqueeze(0)
-            if r.dim() != 3 or r.shape[0] != 1 or r.shape[2] != spec.mel_dim:
-                raise ValueError(f"ref_mels[{i}]: expected shape [L, {spec.mel_dim}] or "
-                                 f"[1, L, {spec.mel_dim}], got {list(r.shape)}")
-            if r.shape[1] < min_ref:
-                raise ValueError(f"ref_mels[{i}]: needs at least {min_ref} frames")
+            s, r = self.check_voice(s, r, f"conds[{i}]", f"ref_mels[{i}]")
             if z.dim() == 3 and z.shape[0] == 1:
                 z = z[0]
             if tuple(z.shape) != (frames, spec.mel_dim):
                 raise ValueError(f"noises[{i}]: expected shape [{frames}, {spec.mel_dim}] "
                                  f"(codes x {spec.repeats}), got {list(z.shape)}")
-            for name, t in (("conds", s), ("ref_mels", r), ("noises", z)):
-                if not torch.isfinite(t).all():
-                    raise ValueError(f"{name}[{i}]: contains NaN or inf")
-            out.append((c.long(), s.reshape(1, -1), r, z.unsqueeze(0)))
+            if not torch.isfinite(z).all():
+                raise ValueError(f"noises[{i}]: contains NaN or inf")
+            out.append((c.long(), s, r, z.unsqueeze(0)))
         return out
 
     @torch.inference_mode()
@@ -123,34 +134,55 @@ class Qwen2_5OmniToken2Wav(nn.Module):
         waveforms[i] [F_i * 240] float32, both on the model's device. Mutates nothing.
         """
         reqs = self._validate(codes, conds, ref_mels, noises, num_steps)
+        mels = self.sample_mels([(c, s, r, z[0], 0) for c, s, r, z in reqs], int(num_steps),
+                                float(guidance_scale), sway_coefficient)
+        mels = [m.transpose(0, 1) for m in mels]
+        return [m.float() for m in mels], self.vocode(mels)
+
+    def sample_mels(self, rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           int]], num_steps: int = 10,
+                    guidance_scale: float = 0.5, sway_coefficient: float | None = -1.0
+                    ) -> list[torch.Tensor]:
+        """Run the ODE for R frame windows in one padded DiT batch (inputs already checked).
+
+        rows[i] = (codes [1, N_i], cond [1, E], ref_mel [1, L_i, M], noise [N_i * repeats, M],
+        start_i): the window's frames sit at absolute positions start_i + [0, N_i * repeats),
+        which set the rotary angles and the attention blocks.
+        Returns mels[i] [N_i * repeats, M] in the model's dtype, on its device.
+        """
         p = next(self.parameters())
         dev, dt = p.device, p.dtype
         dit, use_cfg = self.code2wav_dit_model, guidance_scale >= 1e-5
-        frames = [z.shape[1] for _, _, _, z in reqs]
-        t_max, r = max(frames), len(reqs)
+        frames = [z.shape[0] for _, _, _, z, _ in rows]
+        t_max, r = max(frames), len(rows)
 
         noise = torch.zeros(r, t_max, self.spec.mel_dim, device=dev, dtype=dt)
         static_rows = []
-        for i, (c, s, ref, z) in enumerate(reqs):
-            noise[i, :frames[i]] = z[0].to(dev, dt)
-            # speaker encoder and code embedding are fixed over the ODE: computed once per request
+        for i, (c, s, ref, z, _) in enumerate(rows):
+            noise[i, :frames[i]] = z.to(dev, dt)
+            # speaker encoder and code embedding are fixed over the ODE: computed once per row
             st = dit.static_condition(c.to(dev), s.to(dev, dt), ref.to(dev, dt), use_cfg)
             static_rows.append(nn.functional.pad(st, (0, 0, 0, t_max - frames[i])))
         # batch layout: [cond rows of all requests; uncond rows of all requests]
         static = torch.cat([st[k:k + 1] for k in range(2 if use_cfg else 1) for st in static_rows])
-        positions = torch.arange(t_max, device=dev).expand(r, t_max)
-        valid = positions < torch.tensor(frames, device=dev)[:, None]
-        mel = dit.sample(noise, static, positions, valid, int(num_steps), float(guidance_scale),
+        starts = torch.tensor([row[4] for row in rows], device=dev)
+        positions = starts[:, None] + torch.arange(t_max, device=dev)
+        valid = torch.arange(t_max, device=dev) < torch.tensor(frames, device=dev)[:, None]
+        mel = dit.sample(noise, static, positions, valid, num_steps, guidance_scale,
                          sway_coefficient)
-        mels = [mel[i, :f].transpose(0, 1) for i, f in enumerate(frames)]
+        return [mel[i, :f] for i, f in enumerate(frames)]
 
-        # BigVGAN pads at the sequence ends: batch only mels of equal length
+    def vocode(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """BigVGAN on mels[i] [M, F_i] -> waveforms[i] [F_i * hop] float32 on the model's device.
+
+        NOTE: its convs pad at the sequence ends, so only mels of equal length share a batch.
+        """
         by_len: dict[int, list[int]] = defaultdict(list)
-        for i, f in enumerate(frames):
-            by_len[f].append(i)
-        wavs: list[torch.Tensor] = [torch.empty(0)] * r
+        for i, m in enumerate(mels):
+            by_len[m.shape[1]].append(i)
+        wavs: list[torch.Tensor] = [torch.empty(0)] * len(mels)
         for idx in by_len.values():
             out = self.code2wav_bigvgan_model(torch.stack([mels[i] for i in idx]))
             for j, i in enumerate(idx):
                 wavs[i] = out[j].float()
-        return [m.float() for m in mels], wavs
+        return wavs

@@ -1,0 +1,114 @@
+"""Prometheus metrics of the server (`GET /metrics`).
+
+Counters and histograms are updated as requests finish; per-stage gauges (queue depth, running
+requests, batch size, KV blocks) are read from the runtime's `stats()` at scrape time, so they
+are never stale. Each server has its own registry (several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from omnistage.outputs import OmniRequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0)
+TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+# stage stats key -> (metric name, help, kind)
+_STAGE_GAUGES = {
+    "queue": ("omnistage_stage_queue_depth", "Requests waiting in the stage"),
+    "running": ("omnistage_stage_running_requests", "Requests running in the stage"),
+    "batch_size": ("omnistage_stage_batch_size", "Requests in the stage's last step"),
+    "free_kv_blocks": ("omnistage_stage_kv_blocks_free", "Free KV cache blocks"),
+    "kv_blocks": ("omnistage_stage_kv_blocks_total", "KV cache blocks"),
+}
+_STAGE_COUNTERS = {
+    "busy_seconds": ("omnistage_stage_busy_seconds", "Seconds the stage spent stepping"),
+    "steps": ("omnistage_stage_steps", "Engine steps"),
+    "prefix_cache_hit_tokens": ("omnistage_stage_prefix_cache_hit_tokens",
+                                "Prompt tokens served from the prefix cache"),
+    "preemptions": ("omnistage_stage_preemptions", "Requests preempted for KV space"),
+}
+
+
+class _RuntimeCollector:
+    """Reads the runtime's per-stage stats at scrape time."""
+
+    def __init__(self, llm, in_flight) -> None:
+        self.llm, self.in_flight = llm, in_flight
+
+    def collect(self):
+        runtime = self.llm.runtime
+        stats = runtime.stats()
+        gauges = {k: GaugeMetricFamily(n, h, labels=["stage"]) for k, (n, h) in
+                  _STAGE_GAUGES.items()}
+        counters = {k: CounterMetricFamily(n, h, labels=["stage"]) for k, (n, h) in
+                    _STAGE_COUNTERS.items()}
+        errors = CounterMetricFamily("omnistage_stage_errors", "Stage crashes (restarted)",
+                                     labels=["stage"])
+        for stage, s in stats.items():
+            for key, value in s.items():
+                if key in gauges:
+                    gauges[key].add_metric([stage], float(value))
+                elif key in counters:
+                    counters[key].add_metric([stage], float(value))
+            errors.add_metric([stage], float(runtime.stage_errors.get(stage, 0)))
+        yield from gauges.values()
+        yield from counters.values()
+        yield errors
+        yield GaugeMetricFamily("omnistage_runtime_requests", "Requests inside the runtime",
+                                value=float(runtime.num_active()))
+        yield GaugeMetricFamily("omnistage_server_requests_in_flight",
+                                "HTTP generation requests in flight", value=float(self.in_flight()))
+
+
+class ServerMetrics:
+    def __init__(self, llm, in_flight) -> None:
+        """`in_flight`: a callable giving the number of generation requests in flight."""
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("omnistage_http_requests", "Generation requests by endpoint and "
+                                "outcome", ["endpoint", "status"], registry=r)
+        self.aborted = Counter("omnistage_requests_aborted", "Requests aborted because the "
+                               "client went away", ["endpoint"], registry=r)
+        self.rejected = Counter("omnistage_requests_rejected", "Requests refused with 429 (queue "
+                                "full)", registry=r)
+        self.stage_requests = Counter("omnistage_stage_requests", "Requests finished per stage",
+                                      ["stage", "finish_reason"], registry=r)
+        self.stage_tokens = Counter("omnistage_stage_generated_tokens", "Tokens generated per "
+                                    "stage (codec codes for the talker)", ["stage"], registry=r)
+        self.audio_seconds = Counter("omnistage_audio_seconds", "Seconds of audio generated",
+                                     registry=r)
+        self.ttft = Histogram("omnistage_time_to_first_token_seconds", "Time to the first text "
+                              "token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("omnistage_time_to_first_audio_seconds", "Time to the first audio "
+                              "sample", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("omnistage_e2e_request_latency_seconds", "Request latency, arrival "
+                             "to the last output", buckets=LATENCY_BUCKETS, registry=r)
+        self.tps = Histogram("omnistage_request_tokens_per_second", "Per request: a stage's "
+                             "tokens over the request's e2e time", ["stage"],
+                             buckets=TPS_BUCKETS, registry=r)
+        r.register(_RuntimeCollector(llm, in_flight))
+
+    def observe_finished(self, endpoint: str, out: OmniRequestOutput) -> None:
+        """Record one finished request (its last output)."""
+        self.requests.labels(endpoint, "error" if out.error else "ok").inc()
+        m = out.metrics
+        for stage, so in out.stages.items():
+            self.stage_requests.labels(stage, so.finish_reason or "none").inc()
+            if so.audio is not None and out.sample_rate:
+                self.audio_seconds.inc(len(so.audio) / out.sample_rate)
+        for stage, n in m.tokens_per_stage.items():
+            if n:
+                self.stage_tokens.labels(stage).inc(n)
+                if m.e2e:
+                    self.tps.labels(stage).observe(n / m.e2e)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.ttfa is not None:
+            self.ttfa.observe(m.ttfa)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,170 @@
+"""What clients send to the OpenAI-compatible server (pydantic, unknown fields forbidden) and the
+OpenAI-style error every failure turns into."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_MESSAGES = 256
+MAX_TEXT_CHARS = 1 << 20
+MAX_SPEECH_CHARS = 4096
+
+# what soundfile encodes, by OpenAI's response_format / audio.format names
+AUDIO_FORMATS = ("wav", "flac", "pcm", "pcm16", "mp3", "opus", "ogg", "aiff")
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "aiff", "pcm16")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# ------------------------------------------------------------------------- chat content parts
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class InputAudio(_Strict):
+    data: str  # base64
+    format: Literal[INPUT_AUDIO_FORMATS] = "wav"  # pcm16: raw int16 LE mono at 24 kHz
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class MediaURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: MediaURL
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: MediaURL
+
+
+ContentPart = Annotated[TextPart | InputAudioPart | ImageURLPart | VideoURLPart,
+                        Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[ContentPart] | None = None
+    name: str | None = None
+
+
+# ------------------------------------------------------------------------- chat request
+class AudioOutputParams(_Strict):
+    voice: str | None = None
+    format: Literal[AUDIO_FORMATS] = "wav"
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class StageSamplingParams(_Strict):
+    """Any stage's sampling (omnistage extension `stage_sampling_params: {stage: {...}}`)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutputParams | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    stage_sampling_params: dict[str, StageSamplingParams] | None = None
+
+
+# ------------------------------------------------------------------------- speech request
+class SpeechRequest(_Strict):
+    model: str
+    input: str = Field(min_length=1, max_length=MAX_SPEECH_CHARS)
+    voice: str
+    response_format: Literal[AUDIO_FORMATS] = "wav"
+    speed: float = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+    seed: int | None = None  # omnistage extension
+
+
+# ------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """Becomes an OpenAI error response: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code, self.headers = code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _loc(parts: tuple) -> str:
+    """('messages', 0, 'content', 'list[...]', 1, 'input_audio', 'input_audio', 'data') ->
+    'messages[0].content[1].input_audio.data' (union branch names and repeated tags dropped)."""
+    out: list[str] = []
+    for p in parts:
+        if isinstance(p, int):
+            out.append(f"[{p}]")
+        elif not ("[" in p or "-" in p or p in _TYPE_NAMES) and (not out or out[-1] != "." + p):
+            out.append("." + p)
+    return "".join(out).lstrip(".")
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Validate a JSON body; malformed JSON and bad fields become a 400 naming the field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(400, f"body is not valid JSON: {errors[0]['msg']}",
+                           code="invalid_json") from e
+        err = max(errors, key=lambda x: len(x["loc"]))  # the most specific one
+        loc = _loc(err["loc"])
+        raise APIError(400, f"{loc or 'body'}: {err['msg']}", param=loc or None,
+                       code="invalid_value") from e

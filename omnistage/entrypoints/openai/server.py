@@ -1,0 +1,215 @@
+"""The OpenAI-compatible server: a FastAPI app on one AsyncOmniLLM, run by uvicorn.
+
+Routes: POST /v1/chat/completions, POST /v1/audio/speech, GET /v1/models[/{id}], GET /health,
+GET /metrics. Every error is OpenAI's JSON ({"error": {message, type, param, code}}). An ASGI
+guard in front checks the API key (/v1 routes) and the body size before any route runs.
+SIGTERM/SIGINT: stop accepting, refuse new requests with 503, let running ones finish for up
+to `shutdown_timeout` seconds, then stop the engine."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import resource
+import time
+from contextlib import asynccontextmanager
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
+                                                   SpeechRequest, error_body, parse_body)
+from omnistage.entrypoints.openai.serving import ServerConfig, ServerState
+from omnistage.entrypoints.openai.serving_chat import OpenAIServingChat
+from omnistage.entrypoints.openai.serving_speech import OpenAIServingSpeech
+
+log = logging.getLogger("omnistage.server")
+
+
+class RequestTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """Pure ASGI middleware (streaming and disconnects pass through untouched): API key on /v1
+    routes, request body size (Content-Length up front, counted for chunked bodies)."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        key = self.config.api_key
+        if key and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                return await _error(401, "invalid or missing API key (Authorization: Bearer "
+                                    "KEY)", "invalid_api_key", scope, receive, send)
+        limit = self.config.max_request_bytes
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _error(400, "invalid Content-Length", "invalid_request", scope,
+                                    receive, send)
+            if int(length) > limit:
+                return await _error(413, f"request body of {int(length)} bytes is larger than "
+                                    f"the limit of {limit}", "request_too_large", scope, receive,
+                                    send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise RequestTooLarge(f"request body is larger than the limit of {limit}")
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+async def _error(status: int, message: str, code: str, scope, receive, send) -> None:
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    await JSONResponse(error_body(message, type_, None, code), status)(scope, receive, send)
+
+
+def build_app(llm, config: ServerConfig) -> FastAPI:
+    """The app serving `llm` (an AsyncOmniLLM). `app.state.omni` is the ServerState."""
+    state = ServerState(llm, config)
+    processor = getattr(llm.pipeline, "processor", None)
+    if processor is not None and hasattr(processor, "allow_local_paths"):
+        processor.allow_local_paths = config.allow_local_media  # no file reads from requests
+    chat, speech = OpenAIServingChat(state), OpenAIServingSpeech(state)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.draining = True
+
+    app = FastAPI(title="omnistage", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.omni = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestTooLarge)
+    async def too_large(_: Request, e: RequestTooLarge) -> JSONResponse:
+        return JSONResponse(error_body(str(e), code="request_too_large"), 413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), type_), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"),
+                            500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.runtime.alive:
+            return JSONResponse({"status": "dead"}, 503)
+        return JSONResponse({"status": "draining" if state.draining else "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "omnistage",
+                "modalities": state.output_modalities, "voices": state.voices}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card(n) for n in config.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        state.check_model(model_id)
+        return card(model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.create(parse_body(ChatCompletionRequest, await request.body()),
+                                 request)
+
+    @app.post("/v1/audio/speech")
+    async def audio_speech(request: Request) -> Response:
+        return await speech.create(parse_body(SpeechRequest, await request.body()), request)
+
+    app.add_middleware(_Guard, config=config)
+    return app
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def log_placement(llm) -> None:
+    """One line per stage: device, dtype, weight and KV cache memory; then process memory."""
+    for name, worker in llm.pipeline.workers.items():
+        engine = getattr(worker, "engine", None)
+        model = engine.runner.model if engine is not None else getattr(worker, "model", None)
+        params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+        weights = sum(p.numel() * p.element_size() for p in params)
+        where = f"device={params[0].device} dtype={params[0].dtype}" if params else "device=?"
+        kv = ""
+        if engine is not None:
+            r, c = engine.runner, engine.config
+            kv = (f" kv_cache={_mib(2 * r.k_cache.numel() * r.k_cache.element_size())} "
+                  f"({engine.stats['num_kv_blocks']} blocks x {c.block_size} tokens; "
+                  f"max_model_len={c.max_model_len} max_num_seqs={c.max_num_seqs})")
+        log.info("stage %s [%s]: %s weights=%s%s", name, type(worker).__name__, where,
+                 _mib(weights), kv)
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    msg = f"process peak RSS {_mib(rss_kib * 1024)}"
+    if torch.cuda.is_available():
+        msg += "; " + ", ".join(f"cuda:{i} allocated {_mib(torch.cuda.memory_allocated(i))}"
+                                for i in range(torch.cuda.device_count()))
+    log.info(msg)
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.omni_state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.omni_state.draining:
+            log.info("shutting down: draining %d request(s), at most %.0f s",
+                     self.omni_state.in_flight, self.omni_state.config.shutdown_timeout)
+        self.omni_state.draining = True
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a drained shutdown exits 0, not by re-raising the signal
+
+
+def run_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info", access_log: bool = False) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop `llm`."""
+    try:
+        app = build_app(llm, config)
+        log_placement(llm)
+        uv = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=config.shutdown_timeout)
+        server = _DrainingServer(uv, app.state.omni)
+        log.info("serving %s on http://%s:%d (api key %s, max %d requests in flight)",
+                 config.served_model_names, host, port, "on" if config.api_key else "off",
+                 config.max_queue)
+        server.run()
+    finally:
+        llm.shutdown()
+        log.info("stopped")

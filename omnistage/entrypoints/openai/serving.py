@@ -1,0 +1,308 @@
+"""What the chat and speech endpoints share: server state (config, admission, metrics), one
+request's output stream (watching the client), OpenAI -> SamplingParams, audio encoding."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import soundfile
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.entrypoints.openai.protocol import APIError, StageSamplingParams
+from omnistage.outputs import OmniRequestOutput
+from omnistage.sampling_params import SamplingParams
+
+log = logging.getLogger("omnistage.server")
+
+# response format -> (soundfile format, subtype, int16 samples?, media type)
+_ENCODINGS = {
+    "wav": ("WAV", "PCM_16", True, "audio/wav"),
+    "flac": ("FLAC", "PCM_16", True, "audio/flac"),
+    "aiff": ("AIFF", "PCM_16", True, "audio/aiff"),
+    "mp3": ("MP3", "MPEG_LAYER_III", False, "audio/mpeg"),
+    "opus": ("OGG", "OPUS", False, "audio/ogg; codecs=opus"),
+    "ogg": ("OGG", "VORBIS", False, "audio/ogg"),
+}
+_PCM_MEDIA_TYPE = "audio/pcm"
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queue: int = 256  # generation requests in flight; more get 429
+    max_request_bytes: int = 64 << 20
+    allow_remote_media: bool = False  # fetch http(s) image/video URLs
+    allow_local_media: bool = False  # video_url may name a file on the server
+    remote_media_timeout: float = 10.0
+    max_audio_seconds: float = 300.0  # per input audio part
+    shutdown_timeout: float = 30.0
+    audio_expiry_seconds: int = 3600
+
+    def validate(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("served_model_name: at least one non-empty name")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"max_audio_seconds: must be > 0, got {self.max_audio_seconds}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}")
+
+
+class ServerState:
+    """Shared by the endpoints. Only touched from the event loop (no locking)."""
+
+    def __init__(self, llm, config: ServerConfig) -> None:
+        config.validate()
+        self.llm, self.config = llm, config
+        self.in_flight = 0
+        self.draining = False
+        self.metrics = ServerMetrics(llm, lambda: self.in_flight)
+        self.voices: list[str] = sorted(getattr(llm.pipeline, "voices", None) or {})
+        self.output_modalities: list[str] = list(llm.pipeline.output_modalities)
+        self.first_stage = llm.stage_names[0]
+        self.max_model_len = llm.pipeline.engines[self.first_stage].config.max_model_len
+        # the stage whose tokens are codec codes: the one before the audio stage
+        names = llm.stage_names
+        self.codec_stage = names[-2] if "audio" in self.output_modalities and len(names) > 2 \
+            else None
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, name: str) -> None:
+        if name not in self.config.served_model_names:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves "
+                           f"{self.config.served_model_names}", param="model",
+                           code="model_not_found")
+
+    def resolve_voice(self, voice: str | None, param: str) -> str | None:
+        if voice is None:
+            return None
+        by_lower = {v.lower(): v for v in self.voices}
+        if voice.lower() not in by_lower:
+            raise APIError(400, f"{param}: voice {voice!r} is not available; this model's voices "
+                           f"are {self.voices}", param=param, code="invalid_voice")
+        return by_lower[voice.lower()]
+
+    # ------------------------------------------------------------------ admission
+    def acquire(self) -> None:
+        """Take an in-flight slot or refuse: 503 while draining, 429 when full."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error",
+                           code="shutting_down")
+        if self.in_flight >= self.config.max_queue:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in "
+                           "flight); retry later", type_="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+# ------------------------------------------------------------------ sampling
+def build_sampling(state: ServerState, top: dict[str, Any],
+                   stages: dict[str, StageSamplingParams] | None,
+                   seed: int | None) -> dict[str, SamplingParams] | None:
+    """Top-level OpenAI fields go to the first stage (the thinker); `stage_sampling_params`
+    sets any stage over the pipeline's defaults. A request `seed` seeds the first stage; the
+    pipeline derives the others (thinker s, talker s+1, code2wav s+2)."""
+    names = state.llm.stage_names
+    defaults = state.llm.pipeline.default_params
+    for name in stages or {}:
+        if name not in names:
+            raise APIError(400, f"stage_sampling_params: unknown stage {name!r}; stages: {names}",
+                           param=f"stage_sampling_params.{name}")
+    out: dict[str, SamplingParams] = {}
+    for name in names:
+        fields = {k: v for k, v in top.items() if v is not None} if name == names[0] else {}
+        if seed is not None and name == names[0]:
+            fields["seed"] = seed
+        if stages and name in stages:
+            fields.update(stages[name].model_dump(exclude_none=True))
+        if fields:
+            out[name] = dataclasses.replace(defaults.get(name, SamplingParams()), **fields)
+            try:  # every stage given, also those this request's modalities leave out
+                out[name].validate(f"stage_sampling_params.{name}")
+            except ValueError as e:
+                raise value_error(e) from e
+    first = out.get(names[0])
+    if first is not None and first.max_tokens is not None and \
+            first.max_tokens >= state.max_model_len:
+        raise APIError(400, f"max_tokens: {first.max_tokens} is more than this model's context "
+                       f"allows (max_model_len {state.max_model_len})", param="max_tokens")
+    return out or None
+
+
+def value_error(e: ValueError) -> APIError:
+    """generate()'s ValueError ('prompts[0].messages[1].content[0].audio: ...') -> a 400."""
+    msg = re.sub(r"^(prompts|sampling_params)\[0\]\.?", "", str(e))
+    param = msg.split(":", 1)[0] if ":" in msg else None
+    return APIError(400, msg, param=param if param and " " not in param else None)
+
+
+def runtime_error(error: str, produced: bool) -> APIError:
+    """An error that came back in a request's output."""
+    if error.startswith("stage ") or "shut down" in error:
+        return APIError(500 if error.startswith("stage ") else 503, error, type_="server_error")
+    if "timed out" in error:
+        return APIError(504, error, type_="server_error", code="timeout")
+    if not produced:  # refused by a stage on submit (e.g. a prompt over a stage's limit)
+        return APIError(400, error)
+    return APIError(500, error, type_="server_error")
+
+
+# ------------------------------------------------------------------ one request's stream
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+class RequestStream:
+    """Runs one request's async generator in its own task so that a client disconnect (polled
+    every `poll` seconds) or cancel() aborts it in every stage: cancelling the task cancels
+    AsyncOmniLLM.generate, whose cleanup aborts the request in the runtime."""
+
+    def __init__(self, gen: AsyncIterator[OmniRequestOutput], request: Request | None,
+                 poll: float = 0.25) -> None:
+        self.request, self.poll = request, poll
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._getter: asyncio.Task | None = None
+        self._next_check = time.monotonic() + poll
+        self._task = asyncio.get_running_loop().create_task(self._pump(gen))
+
+    async def _pump(self, gen) -> None:
+        try:
+            async for out in gen:
+                self.queue.put_nowait(out)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, who raises it
+            self.queue.put_nowait(e)  # ValueError: generate() rejected the request (a 400)
+        finally:
+            self.queue.put_nowait(None)
+
+    async def next(self) -> OmniRequestOutput | None:
+        """The next output; None after the last. Raises ValueError (bad request), ClientGone,
+        or whatever else ended the generator."""
+        while True:
+            if self.request is not None and time.monotonic() >= self._next_check:
+                # checked on a clock, not only when idle: outputs may never pause
+                self._next_check = time.monotonic() + self.poll
+                if await self.request.is_disconnected():
+                    self.cancel()
+                    raise ClientGone()
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=self.poll)
+            if done:
+                item, self._getter = self._getter.result(), None
+                if isinstance(item, Exception):
+                    raise item
+                if item is not None and item.finished:
+                    self.finished = True
+                return item
+
+    def cancel(self) -> bool:
+        """Abort the request if it has not finished; True if it had to be aborted."""
+        if self._getter is not None:
+            self._getter.cancel()
+        if self._task.done():
+            return False
+        self._task.cancel()
+        return not self.finished
+
+
+async def first_output(stream: RequestStream) -> OmniRequestOutput:
+    """The request's first output; a rejected or failed-at-once request raises APIError."""
+    try:
+        first = await stream.next()
+    except ValueError as e:
+        raise value_error(e) from e
+    if first is None:
+        raise APIError(500, "the request ended without output", type_="server_error")
+    if first.finished and first.error:
+        raise runtime_error(first.error, produced=bool(first.token_ids))
+    return first
+
+
+async def collect(stream: RequestStream) -> tuple[OmniRequestOutput, np.ndarray | None]:
+    """Run a request to its end: (last output, the whole audio or None)."""
+    chunks: list[np.ndarray] = []
+    last = None
+    while (out := await stream.next()) is not None:
+        if out.audio is not None:
+            chunks.append(out.audio)
+        last = out
+    if last is None:
+        raise APIError(500, "the request ended without output", type_="server_error")
+    audio = None
+    if chunks or any(s.audio is not None for s in last.stages.values()):
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return last, audio
+
+
+class ManagedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends (done, error, disconnect, or
+    never started)."""
+
+    def __init__(self, content, on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+# ------------------------------------------------------------------ audio
+def to_pcm16(x: np.ndarray) -> np.ndarray:
+    """float32 [-1, 1] -> int16 (the one quantisation used by every format and by streaming)."""
+    return np.clip(np.round(np.asarray(x, np.float32) * 32767.0), -32768, 32767).astype("<i2")
+
+
+def encode_audio(x: np.ndarray, sample_rate: int, fmt: str) -> tuple[bytes, str]:
+    """(encoded bytes, media type) of a mono float32 waveform."""
+    if fmt in ("pcm", "pcm16"):
+        return to_pcm16(x).tobytes(), _PCM_MEDIA_TYPE
+    container, subtype, as_int, media = _ENCODINGS[fmt]
+    buf = io.BytesIO()
+    data = to_pcm16(x) if as_int else np.asarray(x, np.float32)
+    try:
+        soundfile.write(buf, data, sample_rate, format=container, subtype=subtype)
+    except (soundfile.LibsndfileError, TypeError, RuntimeError) as e:
+        raise APIError(500, f"cannot encode audio as {fmt}: {e}", type_="server_error") from e
+    return buf.getvalue(), media
+
+
+def usage(out: OmniRequestOutput, audio_stage_tokens: str | None) -> dict[str, Any]:
+    """OpenAI usage; the talker's codec codes count as audio completion tokens."""
+    text_tokens = len(out.token_ids)
+    codes = out.metrics.tokens_per_stage.get(audio_stage_tokens, 0) if audio_stage_tokens else 0
+    prompt = len(out.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": text_tokens + codes,
+            "total_tokens": prompt + text_tokens + codes,
+            "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens},
+            "completion_tokens_details": {"text_tokens": text_tokens, "audio_tokens": codes,
+                                          "reasoning_tokens": 0}}

@@ -1,0 +1,150 @@
+"""POST /v1/audio/speech: speak exactly the given text. The thinker's reply is forced to the
+input's tokens (prompt key `forced_reply`, no sampling), so the talker and code2wav voice that
+text. Formats: wav, flac, aiff, mp3, opus, ogg (whole file), pcm (streamed as it is made);
+`stream_format: "sse"` streams `speech.audio.delta` events (base64 pcm16 for pcm, else the
+whole file in one delta) and ends with `speech.audio.done` (usage, transcript)."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import quote
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest
+from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
+                                                  RequestStream, ServerState, build_sampling,
+                                                  collect, encode_audio, first_output, log,
+                                                  runtime_error, seconds, sse, to_pcm16)
+from omnistage.outputs import OmniRequestOutput
+
+MAX_TRANSCRIPT_HEADER = 8192
+
+
+class OpenAIServingSpeech:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def create(self, body: SpeechRequest, request: Request) -> Response:
+        st = self.state
+        st.check_model(body.model)
+        if "audio" not in st.output_modalities:
+            raise APIError(400, "model: this model does not speak (no audio output)",
+                           param="model")
+        voice = st.resolve_voice(body.voice, "voice")
+        if body.speed != 1.0:
+            raise APIError(400, f"speed: only 1.0 is supported, got {body.speed}", param="speed")
+        prompt = {"messages": [{"role": "user", "content": body.input}],
+                  "forced_reply": body.input, "voice": voice}
+        params = build_sampling(st, {}, None, body.seed)
+        rid = f"speech-{uuid.uuid4().hex}"
+        st.acquire()
+        stream = None
+        handed_over = False
+        try:
+            stream = RequestStream(st.llm.generate(prompt, params, ["text", "audio"],
+                                                   request_id=rid), request)
+            first = await first_output(stream)
+            log.info("%s: speech format=%s stream_format=%s voice=%s chars=%d", rid,
+                     body.response_format, body.stream_format, voice, len(body.input))
+            if body.stream_format == "sse" or body.response_format in ("pcm", "pcm16"):
+                handed_over = True
+                gen = self._sse(stream, first, body, rid) if body.stream_format == "sse" \
+                    else self._pcm(stream, first, rid)
+                media = "text/event-stream" if body.stream_format == "sse" else "audio/pcm"
+                return ManagedStreamingResponse(gen, lambda: self._close(stream, rid),
+                                                media_type=media, headers={"X-Request-Id": rid})
+            last, audio = await self._rest(stream, first)
+            data, media = encode_audio(audio, last.sample_rate or 24000, body.response_format)
+            headers = {"X-Request-Id": rid,
+                       "X-Codec-Tokens": str(last.metrics.tokens_per_stage.get(st.codec_stage, 0))}
+            transcript = quote(last.text, safe="")
+            if len(transcript) <= MAX_TRANSCRIPT_HEADER:  # clients bound header sizes
+                headers["X-Transcript"] = transcript
+            return Response(data, media_type=media, headers=headers)
+        except ClientGone:
+            st.metrics.aborted.labels("speech").inc()
+            log.info("%s: aborted, the client disconnected", rid)
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                if stream is not None:
+                    stream.cancel()
+                st.release()
+
+    def _close(self, stream: RequestStream, rid: str) -> None:
+        if stream.cancel():
+            self.state.metrics.aborted.labels("speech").inc()
+            log.info("%s: aborted, the client disconnected", rid)
+        self.state.release()
+
+    async def _rest(self, stream: RequestStream, first: OmniRequestOutput):
+        """(last output, the whole waveform) from `first` on; a failed request raises."""
+        chunks = [first.audio] if first.audio is not None else []
+        last = first
+        if not first.finished:
+            last, rest = await collect(stream)
+            if rest is not None:
+                chunks.append(rest)
+        if last.error:
+            raise runtime_error(last.error, produced=bool(last.token_ids))
+        self._finished(last)
+        return last, (np.concatenate(chunks) if chunks else np.zeros(0, np.float32))
+
+    def _finished(self, out: OmniRequestOutput) -> None:
+        self.state.metrics.observe_finished("speech", out)
+        m = out.metrics
+        log.info("%s: finished error=%s tokens=%s ttfa=%s e2e=%s", out.request_id, out.error,
+                 m.tokens_per_stage, seconds(m.ttfa), seconds(m.e2e))
+
+    async def _outputs(self, stream: RequestStream, first: OmniRequestOutput
+                       ) -> AsyncIterator[OmniRequestOutput]:
+        out = first
+        try:
+            while out is not None:
+                yield out
+                if out.finished:
+                    self._finished(out)
+                    return
+                out = await stream.next()
+        except ClientGone:
+            return
+
+    async def _pcm(self, stream: RequestStream, first: OmniRequestOutput,
+                   rid: str) -> AsyncIterator[bytes]:
+        async for out in self._outputs(stream, first):
+            if out.error:  # the status line is gone: end the body early, say it in the log
+                log.warning("%s: failed mid-stream: %s", rid, out.error)
+                return
+            if out.audio is not None and len(out.audio):
+                yield to_pcm16(out.audio).tobytes()
+
+    async def _sse(self, stream: RequestStream, first: OmniRequestOutput, body: SpeechRequest,
+                   rid: str) -> AsyncIterator[str]:
+        raw = body.response_format in ("pcm", "pcm16")
+        chunks = []
+        async for out in self._outputs(stream, first):
+            if out.error:
+                yield sse(runtime_error(out.error, produced=True).body())
+                return
+            if out.audio is not None and len(out.audio):
+                if raw:
+                    yield sse({"type": "speech.audio.delta",
+                               "audio": base64.b64encode(to_pcm16(out.audio).tobytes()).decode()})
+                else:
+                    chunks.append(out.audio)
+            if out.finished:
+                if not raw:
+                    wave = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+                    data, _ = encode_audio(wave, out.sample_rate or 24000, body.response_format)
+                    yield sse({"type": "speech.audio.delta",
+                               "audio": base64.b64encode(data).decode()})
+                n_in = len(out.prompt_token_ids)
+                n_out = out.metrics.tokens_per_stage.get(self.state.codec_stage, 0)
+                yield sse({"type": "speech.audio.done", "transcript": out.text,
+                           "usage": {"input_tokens": n_in, "output_tokens": n_out,
+                                     "total_tokens": n_in + n_out}})

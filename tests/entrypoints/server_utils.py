@@ -1,0 +1,74 @@
+"""Start a real `omnistage serve` subprocess on 127.0.0.1 (free port) and talk to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_NAME = "tiny-omni"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, log_path: Path, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "omnistage.entrypoints.cli", "serve", str(model),
+               "--device", "cpu", "--port", str(self.port), "--served-model-name", MODEL_NAME,
+               "--max-model-len", "2048", "--num-kv-blocks", "2048",
+               "--max-audio-seconds", "30", *args]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-6000:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
