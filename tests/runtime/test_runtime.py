@@ -34,8 +34,33 @@ def test_talker_starts_before_the_thinker_finishes(tiny_omni_dir):
     assert first_code < last_token  # streamed: speech began while text was being written
     thinker_at_first_code = max(n for stage, _, n, _ in trace[:first_code] if stage == "thinker")
     assert thinker_at_first_code < 64
+    first_audio = next(i for i, (stage, _, _, audio) in enumerate(trace) if audio)
+    thinker_at_first_audio = max(n for stage, _, n, _ in trace[:first_audio]
+                                 if stage == "thinker")
+    assert thinker_at_first_audio < 64  # audio out while the text is still being written
+    assert sum(1 for *_, audio in trace if audio) > 1  # in several chunks
     assert out.audio.shape[0] == 256 * 480
     llm.shutdown()
+
+
+def test_streamed_audio_against_one_shot(tiny_omni_dir, caplog):
+    from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
+    msg = {"messages": tiny_omni_test_messages()["audio_text"]}
+    params = speech_params(16, 90)
+    outs = {}
+    for name, window in [("one_shot", None), ("default", Qwen2_5OmniCode2WavStreamConfig()),
+                         ("whole", Qwen2_5OmniCode2WavStreamConfig(past_blocks=64,
+                                                                   future_blocks=64))]:
+        llm = OmniLLM(str(tiny_omni_dir), code2wav_window=window)
+        outs[name] = llm.generate(msg, params, use_tqdm=False)[0].audio
+        llm.shutdown()
+    ref = outs["one_shot"]
+    assert ref.shape == outs["default"].shape == outs["whole"].shape == (90 * 480,)
+    assert np.abs(outs["whole"] - ref).max() < 1e-4  # a window covering everything = one-shot
+    noise = outs["default"] - ref
+    snr = 10 * np.log10(float((ref ** 2).sum()) / max(float((noise ** 2).sum()), 1e-30))
+    print(f"default-window SNR vs one-shot: {snr:.1f} dB")
+    assert snr > 20
 
 
 def _run_concurrent(llm: AsyncOmniLLM, prompts, params, abort_ids: set[int]):

@@ -1,5 +1,9 @@
-"""code2wav as a generation stage: codes arrive from the talker; finished utterances are
-decoded together, several per batched DiT pass (one ODE per batch, not per utterance)."""
+"""code2wav as a generation stage: codes arrive from the talker as it speaks.
+
+Streaming (the default): each request keeps a sliding-window decoder (code2wav_stream.py); a
+step decodes the next ready chunk of every request together, in one batched DiT pass per ODE
+evaluation, and emits it. One-shot (streaming off): an utterance is decoded whole once its last
+code has arrived, several utterances per batch."""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavStream,
+                                                           Qwen2_5OmniCode2WavStreamConfig,
+                                                           decode_chunks)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.registry import register_model
 from omnistage.runtime.stage import StageEvent
@@ -23,16 +30,23 @@ class Code2WavRequest:
     seed: int
     codes: list[int] = field(default_factory=list)
     codes_finished: bool = False
+    stream: Qwen2_5OmniCode2WavStream | None = None
+    next_chunk: int = 0
 
 
 class Qwen2_5OmniCode2WavStage:
-    def __init__(self, name: str, model: Qwen2_5OmniToken2Wav, device: torch.device) -> None:
+    def __init__(self, name: str, model: Qwen2_5OmniToken2Wav, device: torch.device,
+                 stream_config: Qwen2_5OmniCode2WavStreamConfig | None) -> None:
         self.name, self.model, self.device = name, model, device
+        self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
 
     def submit(self, request_id: str, request: Code2WavRequest) -> None:
+        if self.stream_config is not None:
+            request.stream = Qwen2_5OmniCode2WavStream(self.model, request.cond, request.ref_mel,
+                                                       request.seed, self.stream_config)
         self.requests[request_id] = request
 
     def add_codes(self, request_id: str, codes: list[int], finished: bool) -> None:
@@ -43,36 +57,59 @@ class Qwen2_5OmniCode2WavStage:
             raise ValueError(f"code2wav: codes for {request_id} after the last one")
         req.codes.extend(codes)
         req.codes_finished = finished
+        if req.stream is not None:
+            req.stream.add_codes(codes, finished)
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def _ready(self, req: Code2WavRequest) -> bool:
+        if req.codes_finished and not req.codes:
+            return True
+        if req.stream is None:
+            return req.codes_finished
+        return req.stream.ready_chunks() > req.next_chunk
+
     def has_work(self) -> bool:
-        return any(r.codes_finished for r in self.requests.values())
+        return any(self._ready(r) for r in self.requests.values())
 
     def step(self) -> list[StageEvent]:
-        ready = [(rid, r) for rid, r in self.requests.items() if r.codes_finished][:MAX_BATCH]
-        events = [StageEvent(self.name, rid, finished=True, finish_reason="stop")
-                  for rid, r in ready if not r.codes]  # nothing to say: an empty utterance
+        ready = [(rid, r) for rid, r in self.requests.items() if self._ready(r)][:MAX_BATCH]
+        events = []
+        for rid, r in ready:
+            if r.codes_finished and not r.codes:  # nothing to say: an empty utterance
+                del self.requests[rid]
+                events.append(StageEvent(self.name, rid, finished=True, finish_reason="stop"))
         ready = [(rid, r) for rid, r in ready if r.codes]
-        for rid, _ in ready:
-            del self.requests[rid]
-        for ev in events:
-            self.requests.pop(ev.request_id, None)
-        if not ready:
-            return events
+        if ready:
+            self.batch_sizes.append(len(ready))
+            decode = self._stream_step if self.stream_config is not None else self._whole_step
+            events += decode(ready)
+        return events
+
+    def _stream_step(self, ready: list[tuple[str, Code2WavRequest]]) -> list[StageEvent]:
+        wavs = decode_chunks(self.model, [(r.stream, r.next_chunk) for _, r in ready])
+        events = []
+        for (rid, r), wav in zip(ready, wavs):
+            r.next_chunk += 1
+            last = r.stream.num_chunks() == r.next_chunk
+            if last:
+                del self.requests[rid]
+            events.append(StageEvent(self.name, rid, audio=wav.float().cpu().numpy(),
+                                     finished=last, finish_reason="stop" if last else None))
+        return events
+
+    def _whole_step(self, ready: list[tuple[str, Code2WavRequest]]) -> list[StageEvent]:
         dev = self.device
         codes = [torch.tensor(r.codes, dtype=torch.long, device=dev) for _, r in ready]
         noises = [Qwen2_5OmniToken2Wav.initial_noise(r.seed, 2 * len(r.codes)).to(dev)
                   for _, r in ready]
         _, wavs = self.model.generate(codes, [r.cond for _, r in ready],
                                       [r.ref_mel for _, r in ready], noises)
-        self.batch_sizes.append(len(ready))
-        for (rid, _), wav in zip(ready, wavs):
-            events.append(StageEvent(self.name, rid, token_ids=[],
-                                     audio=wav.float().cpu().numpy(), finished=True,
-                                     finish_reason="stop"))
-        return events
+        for rid, _ in ready:
+            del self.requests[rid]
+        return [StageEvent(self.name, rid, audio=wav.float().cpu().numpy(), finished=True,
+                           finish_reason="stop") for (rid, _), wav in zip(ready, wavs)]
 
     def fail_all(self, error: str) -> list[StageEvent]:
         events = [StageEvent(self.name, rid, finished=True, finish_reason="error", error=error)

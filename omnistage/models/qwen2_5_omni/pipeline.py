@@ -18,6 +18,7 @@ from omnistage.entrypoints.lm_pipeline import (build_model, generation_defaults,
                                                resolve_seed, stage_engine_config)
 from omnistage.entrypoints.options import resolve_device, resolve_dtype
 from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_5OmniCode2WavStage
+from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerForCausalLM,
                                                   talker_sequence)
@@ -54,6 +55,10 @@ class Qwen2_5OmniPipeline:
         self.talker_handoff = engine_options.pop("talker_handoff", "qwen")
         if self.talker_handoff not in HANDOFFS:
             raise ValueError(f"talker_handoff: {self.talker_handoff!r}; one of {HANDOFFS}")
+        # code2wav_window: None = one-shot per utterance, else a streaming window config
+        window = engine_options.pop("code2wav_window", Qwen2_5OmniCode2WavStreamConfig())
+        if window is not None and not isinstance(window, Qwen2_5OmniCode2WavStreamConfig):
+            raise ValueError("code2wav_window: a Qwen2_5OmniCode2WavStreamConfig or None")
         self.config = pipeline
         self.roles = {role: _role(pipeline, model) for role, model in (
             ("thinker", "Qwen2_5OmniThinker"), ("talker", "Qwen2_5OmniTalker"),
@@ -92,7 +97,7 @@ class Qwen2_5OmniPipeline:
             token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
         token2wav.load_state_dict(dict(iter_tensors(path, _prefix(sc, "token2wav."))), strict=True)
         token2wav.to(c_dtype if sc.dtype != "auto" else torch.float32).eval()
-        self.code2wav = Qwen2_5OmniCode2WavStage(sc.name, token2wav, c_dev)
+        self.code2wav = Qwen2_5OmniCode2WavStage(sc.name, token2wav, c_dev, window)
         self.workers[sc.name] = self.code2wav
         self.default_params[sc.name] = SamplingParams()
         self.code2wav_device = c_dev
