@@ -18,6 +18,7 @@ MAX_PROMPTS_PER_CALL = 100_000
 
 
 class OmniBase:
+    background_runtime = True  # the runtime loop in its own thread (False: the caller drives it)
     def __init__(self, model: str, pipeline: str | None = None, device: str | None = None,
                  dtype: str | torch.dtype = "auto", request_timeout: float | None = None,
                  **engine_options: Any) -> None:
@@ -33,7 +34,7 @@ class OmniBase:
         self.request_timeout = request_timeout
         self.pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
-        self.runtime = Orchestrator(self.pipeline.workers)
+        self.runtime = Orchestrator(self.pipeline.workers, background=self.background_runtime)
 
     # -------------------------------------------------------------- conveniences
     @property

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from tqdm import tqdm
@@ -14,7 +13,10 @@ from omnistage.outputs import OmniRequestOutput
 class OmniLLM(OmniBase):
     """generate() validates every prompt and parameter before any work starts (ValueError naming
     the prompt index and field); errors that only appear while running come back in that
-    request's `error`, and the other requests finish."""
+    request's `error`, and the other requests finish. The runtime loop runs in the caller's
+    thread during generate()."""
+
+    background_runtime = False
 
     def generate(self, prompts: Any, sampling_params: Any = None,
                  output_modalities: list[str] | None = None,
@@ -24,24 +26,16 @@ class OmniLLM(OmniBase):
             raise ValueError("prompts: empty list")
         reqs = self._prepare(prompts, sampling_params, output_modalities)
         results: dict[str, OmniRequestOutput] = {}
-        done = threading.Event()
-        lock = threading.Lock()
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
 
         def sink(out: OmniRequestOutput) -> None:
-            if not out.finished:
-                return
-            with lock:
+            if out.finished:
                 results[out.request_id] = out
                 bar.update(1)
-                if len(results) == len(reqs):
-                    done.set()
 
         for req in reqs:
-            self.runtime.submit(req, sink)
-        while not done.wait(0.5):
-            if not self.runtime.alive:
-                raise RuntimeError("the omnistage runtime stopped")
+            self.runtime.submit(req, sink, stream=False)
+        self.runtime.run_until(lambda: len(results) == len(reqs))
         bar.close()
         outs = [results[r.request_id] for r in reqs]
         for r, out in zip(reqs, outs):  # offline results carry the whole utterance

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from omnistage.outputs import OmniRequestOutput, StageOutput
 from omnistage.runtime.stage import StageEvent, StageWorker
@@ -43,6 +44,7 @@ class RuntimeRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     # state
     sink: Callable[[OmniRequestOutput], None] | None = None
+    stream: bool = True  # deliver every delta (False: only the final output)
     arrival: float = 0.0
     stage_tokens: dict[str, list[int]] = field(default_factory=dict)
     stage_reasons: dict[str, str | None] = field(default_factory=dict)
@@ -55,7 +57,11 @@ class RuntimeRequest:
 
 
 class Orchestrator:
-    def __init__(self, workers: dict[str, StageWorker]) -> None:
+    """background=True: the loop runs in its own thread (AsyncOmniLLM, servers).
+    background=False: the caller drives it with run_until() (OmniLLM), which keeps torch's
+    CPU work on the calling thread (a second thread costs ~15% on CPU via its own OpenMP team)."""
+
+    def __init__(self, workers: dict[str, StageWorker], background: bool = True) -> None:
         self.workers = workers  # in pipeline order
         self.requests: dict[str, RuntimeRequest] = {}
         self.control: queue.Queue = queue.Queue()
@@ -64,13 +70,18 @@ class Orchestrator:
         self.trace: list[tuple[str, str, int, bool]] | None = None
         self.stage_errors: dict[str, int] = {name: 0 for name in workers}
         self.finished_requests = 0
+        self._torch_threads = torch.get_num_threads()  # intra-op threads are per OS thread
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="omnistage-runtime", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="omnistage-runtime",
+                                            daemon=True)
+            self._thread.start()
 
     # ---------------------------------------------------------------- control (any thread)
-    def submit(self, req: RuntimeRequest, sink: Callable[[OmniRequestOutput], None]) -> None:
-        req.sink = sink
+    def submit(self, req: RuntimeRequest, sink: Callable[[OmniRequestOutput], None],
+               stream: bool = True) -> None:
+        req.sink, req.stream = sink, stream
         self.control.put(("submit", req))
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -79,11 +90,25 @@ class Orchestrator:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self.control.put(("wake",))
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._drain_control(block=False)
+            self._fail_all_requests()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() if self._thread is not None else not self._stop.is_set()
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Drive the loop in the calling thread until done() (foreground mode)."""
+        if self._thread is not None:
+            raise RuntimeError("run_until: this runtime runs in its own thread")
+        torch.set_num_threads(self._torch_threads)
+        while not done():
+            if self._stop.is_set():
+                raise RuntimeError("the omnistage runtime was shut down")
+            self._iteration()
 
     def num_active(self) -> int:
         return len(self.requests)
@@ -93,28 +118,36 @@ class Orchestrator:
 
     # ---------------------------------------------------------------- loop (runtime thread)
     def _loop(self) -> None:
+        torch.set_num_threads(self._torch_threads)
         while not self._stop.is_set():
-            busy = any(w.has_work() for w in self.workers.values())
-            self._drain_control(block=not busy)
-            self._expire()
-            for name, worker in self.workers.items():
-                if not worker.has_work():
-                    continue
-                if name in self.step_delay:
-                    time.sleep(self.step_delay[name])
-                t0 = time.perf_counter()
-                try:
-                    events = worker.step()
-                except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
-                    log.exception("stage %s crashed; failing its requests and restarting it", name)
-                    self.stage_errors[name] += 1
-                    events = worker.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
-                if hasattr(worker, "busy_seconds"):
-                    worker.busy_seconds += time.perf_counter() - t0
-                for ev in events:
-                    self._route(ev)
+            self._iteration()
+        self._fail_all_requests()
+
+    def _fail_all_requests(self) -> None:
         for rid in list(self.requests):  # shutdown: nothing is left running
             self._fail(rid, "runtime shut down")
+
+    def _iteration(self) -> None:
+        """One pass: control messages, deadlines, then a step of every stage with work."""
+        busy = any(w.has_work() for w in self.workers.values())
+        self._drain_control(block=not busy)
+        self._expire()
+        for name, worker in self.workers.items():
+            if not worker.has_work():
+                continue
+            if name in self.step_delay:
+                time.sleep(self.step_delay[name])
+            t0 = time.perf_counter()
+            try:
+                events = worker.step()
+            except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
+                log.exception("stage %s crashed; failing its requests and restarting it", name)
+                self.stage_errors[name] += 1
+                events = worker.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
+            if hasattr(worker, "busy_seconds"):
+                worker.busy_seconds += time.perf_counter() - t0
+            for ev in events:
+                self._route(ev)
 
     def _drain_control(self, block: bool) -> None:
         try:
@@ -177,7 +210,7 @@ class Orchestrator:
             self._fail(req.request_id, ev.error)
             return
         last = ev.finished and all(stage in req.stage_reasons for stage in req.path)
-        if last or delta.text_delta or delta.audio is not None:
+        if last or (req.stream and (delta.text_delta or delta.audio is not None)):
             self._emit(req, delta, finished=last)
 
     def _emit(self, req: RuntimeRequest, out: OmniRequestOutput, finished: bool,

@@ -1,0 +1,290 @@
+"""The whole Qwen2.5-Omni pipeline end to end on the GPU, through the real runtime: a random-weight
+checkpoint at real 7B shapes is saved in the released layout (sharded safetensors, spk_dict.pt,
+tokenizer and processor files, generation_config.json), loaded with AsyncOmniLLM, and served a
+text prompt (~60 ids) -> 128 text tokens + 1024 codec codes per request, all requests of a
+round submitted at once (closed loop, concurrency c).
+
+Per request: TTFT (first text token), TTFA (first audio chunk), e2e, RTF = e2e / audio seconds
+(runtime metrics, from the request's arrival in the runtime); per round: audio-seconds per
+second, each stage's busy seconds and steps (where the loop's time goes), peak memory.
+`--small` runs the same code on a tiny config with the real vocabularies and token ids (CPU
+smoke test)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.machinery
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+try:
+    import soundfile  # noqa: F401
+except ImportError:  # the GPU machine lacks it; nothing here reads audio files
+    sys.modules["soundfile"] = types.ModuleType("soundfile")
+    sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
+
+from omnistage.entrypoints.async_llm import AsyncOmniLLM  # noqa: E402
+from omnistage.sampling_params import SamplingParams  # noqa: E402
+
+SR = 24000
+MARKER = "pipeline_bench_build.json"
+HF_H100 = {"bs1_rtf": 5.285, "bs1_first_audio_s": 108.23, "bs8_audio_s_per_s": 1.641,
+           "bs32_audio_s_per_s": 3.273}
+TARGETS = {"ttfa_s_c1": 0.25, "rtf_c1": 0.10, "audio_s_per_s_c32": 65.0}
+
+
+def real_config():
+    from transformers import Qwen2_5OmniConfig
+    return Qwen2_5OmniConfig(
+        thinker_config=dict(vision_start_token_id=151652, vision_end_token_id=151653),
+        talker_config=dict(vision_start_token_id=151652, hidden_size=896, num_hidden_layers=24,
+                           num_attention_heads=12, num_key_value_heads=4, head_dim=128,
+                           intermediate_size=18944, embedding_size=3584, vocab_size=8448),
+        token2wav_config=dict(dit_config=dict(num_embeds=8448)))
+
+
+def small_config(tok):
+    """The tiny test config's sizes with the real vocabularies and special ids."""
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.testing.tiny_omni import build_tiny_config
+    real, small = real_config().to_dict(), build_tiny_config(tok).to_dict()
+    for part in ("thinker_config", "talker_config"):
+        for k, v in real[part].items():
+            if ("token" in k and (k.endswith("_id") or k.endswith("_index"))) and v is not None:
+                small[part][k] = v
+    small["thinker_config"]["text_config"]["vocab_size"] = 152064
+    small["talker_config"]["vocab_size"] = 8448
+    small["token2wav_config"]["dit_config"]["num_embeds"] = 8448
+    return Qwen2_5OmniConfig(**{k: small[k] for k in
+                                ("thinker_config", "talker_config", "token2wav_config")})
+
+
+def build_checkpoint(out: Path, small: bool, dev: torch.device) -> dict:
+    """Random checkpoint in the released layout; reused when its marker matches."""
+    args = {"version": 1, "small": small}
+    marker = out / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == args:
+        return {"reused": True}
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omnistage.testing.tiny_omni import build_tiny_omni, build_tiny_tokenizer
+    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    src = build_tiny_omni(out.parent / f"{out.name}-tiny-src")  # tokenizer + processor files
+    skip = {"config.json", "generation_config.json", "spk_dict.pt", "tiny_omni_build.json"}
+    for f in src.iterdir():
+        if f.name not in skip and "safetensors" not in f.name:
+            (shutil.copytree if f.is_dir() else shutil.copy)(f, out / f.name)
+    cfg = small_config(build_tiny_tokenizer()) if small else real_config()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):  # random init on the device (fp32: robust), then bf16 in place
+        model = Qwen2_5OmniForConditionalGeneration(cfg).eval().to(dtype)
+    eos = [151645, 151643]
+    model.generation_config.eos_token_id = eos
+    params = {n: sum(p.numel() for p in getattr(model, n).parameters())
+              for n in ("thinker", "talker", "token2wav")}
+    t1 = time.perf_counter()
+    model.save_pretrained(out, max_shard_size="5GB")
+    t2 = time.perf_counter()
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
+    enc = cfg.token2wav_config.dit_config.enc_emb_dim
+    g = torch.Generator().manual_seed(1)
+    spk = {name: {"bos_token": bos, "cond": torch.randn(1, enc, generator=g),
+                  "ref_mel": torch.randn(1, 300, 80, generator=g)}
+           for name, bos in (("Chelsie", 151672), ("Ethan", 151673))}
+    torch.save(spk, out / "spk_dict.pt")
+    marker.write_text(json.dumps(args) + "\n")
+    return {"reused": False, "build_s": round(t1 - t0, 1), "save_s": round(t2 - t1, 1),
+            "params": params}
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Distinct random prompts (no prefix-cache hits across requests)."""
+    g = torch.Generator().manual_seed(seed)
+    im_s, im_e = 151644, 151645
+    out = []
+    for _ in range(n):  # chat layout: system, user (random body), assistant header
+        body = torch.randint(1000, 150000, (length - 13,), generator=g).tolist()
+        out.append([im_s, 8948, 198] + body[:4] + [im_e, 198, im_s, 872, 198] + body[4:]
+                   + [im_e, 198, im_s, 77091, 198])
+    return out
+
+
+def stage_params(text_tokens: int, codes: int) -> dict[str, SamplingParams]:
+    return {"thinker": SamplingParams(temperature=0, min_tokens=text_tokens,
+                                      max_tokens=text_tokens, ignore_eos=True),
+            "talker": SamplingParams(temperature=0.9, top_k=40, top_p=0.8,
+                                     repetition_penalty=1.05, min_tokens=codes, max_tokens=codes,
+                                     stop_token_ids=[8292, 8294], suppress_token_ids=[8293])}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, t_submit: float) -> dict:
+    first_text = first_audio = None
+    samples = chunks = 0
+    out = None
+    async for out in llm.generate({"prompt_token_ids": ids}, sampling_params=sp):
+        now = time.perf_counter() - t_submit
+        if first_text is None and out.token_ids:
+            first_text = now
+        if out.audio is not None and len(out.audio):
+            first_audio = now if first_audio is None else first_audio
+            samples += len(out.audio)
+            chunks += 1
+    if out.error:
+        raise RuntimeError(f"request failed: {out.error}")
+    m = out.metrics
+    return {"ttft": m.ttft, "ttfa": m.ttfa, "e2e": m.e2e, "audio_s": samples / SR,
+            "chunks": chunks, "client_ttft": first_text, "client_ttfa": first_audio,
+            "client_e2e": time.perf_counter() - t_submit,
+            "text_tokens": len(out.token_ids), "codes": m.tokens_per_stage.get("talker")}
+
+
+def stage_stats(llm: AsyncOmniLLM) -> dict:
+    s = llm.runtime.stats()
+    c2w = llm.pipeline.code2wav
+    return {"busy": {k: v.get("busy_seconds", 0.0) for k, v in s.items()},
+            "steps": {k: v.get("steps", 0) for k, v in s.items() if "steps" in v},
+            "c2w_batches": list(c2w.batch_sizes)}
+
+
+async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int) -> dict:
+    sp = stage_params(text_tokens, codes)
+    ids = prompts(c, 63, seed)
+    before = stage_stats(llm)
+    t0 = time.perf_counter()
+    rows = await asyncio.gather(*[one_request(llm, p, sp, t0) for p in ids])
+    wall = time.perf_counter() - t0
+    after = stage_stats(llm)
+    audio = sum(r["audio_s"] for r in rows)
+    batches = after["c2w_batches"][len(before["c2w_batches"]):]
+    busy = {k: round(after["busy"][k] - before["busy"][k], 3) for k in after["busy"]}
+    steps = {k: after["steps"][k] - before["steps"][k] for k in after["steps"]}
+    busy_ms = {k: round(1e3 * busy[k] / max(1, steps.get(k, len(batches))), 2) for k in busy}
+    res = {"concurrency": c, "wall_s": round(wall, 3), "audio_s_total": round(audio, 2),
+           "audio_s_per_s": round(audio / wall, 3)}
+    for key in ("ttft", "ttfa", "e2e", "client_ttfa"):
+        xs = [r[key] for r in rows if r[key] is not None]
+        if xs:
+            res[key] = {"p50": round(statistics.median(xs), 4), "max": round(max(xs), 4),
+                        "min": round(min(xs), 4)}
+    rtf = [r["e2e"] / r["audio_s"] for r in rows if r["audio_s"]]
+    res["rtf"] = {"p50": round(statistics.median(rtf), 4), "max": round(max(rtf), 4),
+                  "p90": round(pct(rtf, 0.9), 4)}
+    res["per_request_audio_s"] = round(rows[0]["audio_s"], 3)
+    res["per_request_text_tokens"] = rows[0]["text_tokens"]
+    res["per_request_codes"] = rows[0]["codes"]
+    res["audio_chunks_per_request"] = rows[0]["chunks"]
+    res["stage_busy_s"] = busy
+    res["stage_steps"] = {**steps, "code2wav": len(batches)}
+    res["stage_ms_per_step"] = busy_ms
+    res["loop_busy_fraction"] = round(sum(busy.values()) / wall, 3)
+    res["code2wav_batch_mean"] = round(sum(batches) / max(1, len(batches)), 2)
+    return res
+
+
+async def main_async(args, res: dict, save) -> None:
+    dev = torch.device("cpu" if args.small else "cuda")
+    ckpt = Path(args.ckpt)
+    t0 = time.perf_counter()
+    res["checkpoint"] = build_checkpoint(ckpt, args.small, dev)
+    save()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    t1 = time.perf_counter()
+    llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048,
+                       max_num_seqs=max(conc), max_num_batched_tokens=max(2048, 64 * max(conc)))
+    res["load_s"] = round(time.perf_counter() - t1, 1)
+    if dev.type == "cuda":
+        res["mem_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        res["kv_blocks"] = {n: e.runner.num_blocks for n, e in llm.pipeline.engines.items()}
+    save()
+    t2 = time.perf_counter()
+    for c in conc:  # warm-up: torch.compile, Triton, graph capture per batch size
+        await run_round(llm, c, 8, 48, seed=1000 + c)
+    res["warmup_s"] = round(time.perf_counter() - t2, 1)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    res["runs"] = {}
+    rounds = [(c, False) for c in conc]
+    if args.oneshot_c1:  # right after c1: one-shot code2wav (whole utterance at the end)
+        rounds.insert(conc.index(1) + 1 if 1 in conc else 0, (1, True))
+    for i, (c, oneshot) in enumerate(rounds):
+        name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "")
+        if i > 0 and time.perf_counter() - t0 > args.deadline_s:
+            res["runs"][name] = "skipped: out of time"
+            continue
+        stage = llm.pipeline.code2wav
+        window = stage.stream_config
+        if oneshot:
+            stage.stream_config = None  # read at submit and step: benchmark-side switch
+        try:
+            res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes, seed=c)
+        finally:
+            stage.stream_config = window
+        if dev.type == "cuda":
+            res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        save(name)
+    llm.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--ckpt", default="/tmp/omni7b_random")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--text-tokens", type=int, default=128)
+    ap.add_argument("--codes", type=int, default=1024)
+    ap.add_argument("--deadline-s", type=float, default=420.0,
+                    help="start no further round after this many seconds")
+    ap.add_argument("--oneshot-c1", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name() if not args.small else "cpu",
+                 "torch": torch.__version__, "dtype": "bfloat16 (code2wav float32)",
+                 "workload": f"~60-id text prompt -> {args.text_tokens} text tokens + "
+                             f"{args.codes} codes per request, all submitted at once",
+                 "cuda_graphs": os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1") != "0",
+                 "hf_h100": HF_H100, "targets": TARGETS}
+
+    def save(key: str | None = None) -> None:
+        part = res["runs"].get(key) if key else {k: v for k, v in res.items() if k != "runs"}
+        print(f"[{time.strftime('%H:%M:%S')}] {key or 'setup'}: {json.dumps(part)}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+    asyncio.run(main_async(args, res, save))
+    c1, c32 = res["runs"].get("c1"), res["runs"].get("c32")
+    if isinstance(c1, dict):
+        res["vs_hf"] = {"rtf_c1_speedup": round(HF_H100["bs1_rtf"] / c1["rtf"]["p50"], 1),
+                        "first_audio_speedup": round(HF_H100["bs1_first_audio_s"]
+                                                     / c1["ttfa"]["p50"], 1)}
+    if isinstance(res["runs"].get("c8"), dict):
+        res.setdefault("vs_hf", {})["audio_s_per_s_c8_speedup"] = round(
+            res["runs"]["c8"]["audio_s_per_s"] / HF_H100["bs8_audio_s_per_s"], 1)
+    if isinstance(c32, dict):
+        res.setdefault("vs_hf", {})["audio_s_per_s_c32_speedup"] = round(
+            c32["audio_s_per_s"] / HF_H100["bs32_audio_s_per_s"], 1)
+    save()
+    print(json.dumps(res, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
