@@ -201,23 +201,100 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     return res
 
 
+def profile_code2wav(res: dict, small: bool, dev: torch.device) -> None:
+    """One streaming chunk's cost, split into DiT ODE (sample_mels) and BigVGAN (vocode), at
+    batch 1 and 16, with the top ops of one chunk by CUDA and CPU time."""
+    from omnistage.models.qwen2_5_omni.code2wav_stream import (
+        GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT, Qwen2_5OmniCode2WavStream, decode_chunks)
+    from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
+    from omnistage.testing.tiny_omni import build_tiny_tokenizer
+    cfg = (small_config(build_tiny_tokenizer()) if small else real_config()).to_dict()
+    cfg = cfg["token2wav_config"]
+    with torch.device(dev):
+        model = Qwen2_5OmniToken2Wav(cfg).float().eval()
+    spec = model.spec
+    g = torch.Generator().manual_seed(0)
+    streams = []
+    for i in range(16):
+        st = Qwen2_5OmniCode2WavStream(model, torch.randn(spec.enc_emb_dim, device=dev),
+                                       torch.randn(300, spec.mel_dim, device=dev), i)
+        st.add_codes(torch.randint(0, 8000, (1024,), generator=g).tolist(), finished=True)
+        streams.append(st)
+
+    def clock(t: float | None = None) -> float:
+        sync_dev(dev)
+        now = time.perf_counter()
+        return now if t is None else round(1e3 * (now - t), 1)
+
+    out: dict = {}
+    with torch.inference_mode():
+        for _ in range(2):
+            decode_chunks(model, [(streams[0], 40)])
+        for B in (1, 16):
+            reqs = [(s, 40) for s in streams[:B]]
+            spans = [s.span(k) for s, k in reqs]
+            t = clock()
+            decode_chunks(model, reqs)
+            chunk_ms, t = clock(t), clock()
+            mels = model.sample_mels([s.window_inputs(k) for s, k in reqs], ODE_STEPS,
+                                     GUIDANCE_SCALE, SWAY_COEFFICIENT)
+            dit_ms, t = clock(t), clock()
+            model.vocode([m[sp.vocoder[0] - sp.window[0]:sp.vocoder[1] - sp.window[0]].T
+                          for m, sp in zip(mels, spans)])
+            out[f"bs{B}"] = {"chunk_ms": chunk_ms, "dit_ode_ms": dit_ms,
+                             "bigvgan_ms": clock(t),
+                             "window_frames": spans[0].window[1] - spans[0].window[0]}
+        t = clock()
+        decode_chunks(model, [(streams[0], 0)])
+        out["bs1"]["chunk0_ms"] = clock(t)
+        if dev.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                decode_chunks(model, [(streams[0], 40)])
+                sync_dev(dev)
+            ev = prof.key_averages()
+            out["kernel_launches"] = sum(e.count for e in ev if e.key == "cudaLaunchKernel")
+            out["cuda_total_ms"] = round(sum(e.self_device_time_total for e in ev) / 1e3, 1)
+            out["top_by_cuda"] = [(e.key[:60], e.count, round(e.self_device_time_total / 1e3, 1))
+                                  for e in sorted(ev, key=lambda e: -e.self_device_time_total)
+                                  [:10]]
+            out["top_by_cpu"] = [(e.key[:60], e.count, round(e.self_cpu_time_total / 1e3, 1))
+                                 for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:10]]
+    res["code2wav_chunk_profile"] = out
+
+
+def sync_dev(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 async def main_async(args, res: dict, save) -> None:
     dev = torch.device("cpu" if args.small else "cuda")
     ckpt = Path(args.ckpt)
     t0 = time.perf_counter()
+    if args.profile_code2wav:
+        profile_code2wav(res, args.small, dev)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
     res["checkpoint"] = build_checkpoint(ckpt, args.small, dev)
     save()
     conc = [int(c) for c in args.concurrency.split(",")]
     t1 = time.perf_counter()
+    from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
+    window = Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=args.chunk_blocks)
+    res["code2wav_chunk_blocks"] = args.chunk_blocks
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048,
-                       max_num_seqs=max(conc), max_num_batched_tokens=max(2048, 64 * max(conc)))
+                       max_num_seqs=max(conc), max_num_batched_tokens=max(2048, 64 * max(conc)),
+                       code2wav_window=window)
     res["load_s"] = round(time.perf_counter() - t1, 1)
     if dev.type == "cuda":
         res["mem_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         res["kv_blocks"] = {n: e.runner.num_blocks for n, e in llm.pipeline.engines.items()}
     save()
     t2 = time.perf_counter()
-    for c in conc:  # warm-up: torch.compile, Triton, graph capture per batch size
+    warm = [int(c) for c in args.warmup.split(",")] if args.warmup else conc
+    for c in warm:  # warm-up: torch.compile, Triton, graph capture per batch size
         await run_round(llm, c, 8, 48, seed=1000 + c)
     res["warmup_s"] = round(time.perf_counter() - t2, 1)
     if dev.type == "cuda":
@@ -226,6 +303,9 @@ async def main_async(args, res: dict, save) -> None:
     rounds = [(c, False) for c in conc]
     if args.oneshot_c1:  # right after c1: one-shot code2wav (whole utterance at the end)
         rounds.insert(conc.index(1) + 1 if 1 in conc else 0, (1, True))
+    rounds += [(int(c), True) for c in args.oneshot.split(",") if c]
+    if args.oneshot_only:
+        rounds = [r for r in rounds if r[1]]
     for i, (c, oneshot) in enumerate(rounds):
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "")
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
@@ -255,6 +335,11 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=420.0,
                     help="start no further round after this many seconds")
     ap.add_argument("--oneshot-c1", action="store_true")
+    ap.add_argument("--oneshot", default="", help="concurrencies also run with one-shot code2wav")
+    ap.add_argument("--warmup", default="", help="warm-up concurrencies (default: --concurrency)")
+    ap.add_argument("--oneshot-only", action="store_true", help="skip the streaming rounds")
+    ap.add_argument("--profile-code2wav", action="store_true")
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="DiT blocks per audio chunk")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name() if not args.small else "cpu",
