@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omnistage.config.schema import SamplingDefaults
+
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 1 << 20
 MAX_SPEECH_CHARS = 4096
@@ -71,18 +73,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class StageSamplingParams(_Strict):
-    """Any stage's sampling (omnistage extension `stage_sampling_params: {stage: {...}}`)."""
+class StageSamplingParams(SamplingDefaults):
+    """Any stage's sampling (omnistage extension `stage_sampling_params: {stage: {...}}`):
+    the pipeline YAML's sampling fields plus per-request ones."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None

@@ -253,6 +253,15 @@ async def collect(stream: RequestStream) -> tuple[OmniRequestOutput, np.ndarray 
     return last, audio
 
 
+def close_stream(state: ServerState, stream: RequestStream, rid: str, endpoint: str) -> None:
+    """A streamed response ended: abort the request if it was still running (the client went
+    away), and give its queue slot back."""
+    if stream.cancel():
+        state.metrics.aborted.labels(endpoint).inc()
+        log.info("%s: aborted, the client disconnected", rid)
+    state.release()
+
+
 class ManagedStreamingResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however it ends (done, error, disconnect, or
     never started)."""

@@ -22,6 +22,7 @@ from omnistage.entrypoints.openai.protocol import (AudioOutputParams, ChatComple
                                                    ChatMessage, ImageURLPart, InputAudioPart,
                                                    TextPart, APIError, VideoURLPart)
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
+                                                  close_stream,
                                                   RequestStream, ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
                                                   runtime_error, seconds, sse, to_pcm16, usage)
@@ -93,10 +94,7 @@ class OpenAIServingChat:
                 st.release()
 
     def _close(self, stream: RequestStream, rid: str) -> None:
-        if stream.cancel():
-            self.state.metrics.aborted.labels("chat").inc()
-            log.info("%s: aborted, the client disconnected", rid)
-        self.state.release()
+        close_stream(self.state, stream, rid, "chat")
 
     # ------------------------------------------------------------------ input
     async def _messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
+                                                  close_stream,
                                                   RequestStream, ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
                                                   runtime_error, seconds, sse, to_pcm16)
@@ -77,10 +78,7 @@ class OpenAIServingSpeech:
                 st.release()
 
     def _close(self, stream: RequestStream, rid: str) -> None:
-        if stream.cancel():
-            self.state.metrics.aborted.labels("speech").inc()
-            log.info("%s: aborted, the client disconnected", rid)
-        self.state.release()
+        close_stream(self.state, stream, rid, "speech")
 
     async def _rest(self, stream: RequestStream, first: OmniRequestOutput):
         """(last output, the whole waveform) from `first` on; a failed request raises."""
