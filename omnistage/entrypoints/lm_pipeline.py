@@ -26,9 +26,14 @@ register_model("causal_lm")(DecoderForCausalLM)  # resolved by config.architectu
 
 
 def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: torch.dtype):
-    """Instantiate directly on `device` (fp32), load weights, cast to `dtype`."""
-    with torch.device(device):
-        model = cls(config)
+    """Instantiate directly on `device` in `dtype` (no fp32 copy of a 7B model), load weights."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(default)
     model.load_weights(tensors)
     return model.to(dtype).eval()
 

@@ -109,6 +109,13 @@ class Qwen2_5OmniPipeline:
 
     def _add_ar(self, stage: StageConfig, model, device, dtype, options, model_cfg: dict,
                 eos: set[int], tokenizer=None) -> None:
+        options = dict(options)
+        sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
+        if device.type == "cuda" and not sized & {k for k, v in options.items() if v is not None} \
+                and not sized & {k for k, v in stage.engine.model_dump().items() if v is not None}:
+            # NOTE: stages share one GPU: the thinker (built first) takes 45% of the free memory
+            # for KV, the talker half of what is left, and the rest stays for code2wav and graphs
+            options["kv_cache_memory_fraction"] = 0.45 if not self.workers else 0.5
         cfg = stage_engine_config(model_cfg.get("max_position_embeddings", 32768), options,
                                   stage.engine)
         self.workers[stage.name] = ARStageWorker(
