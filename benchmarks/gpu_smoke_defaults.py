@@ -1,4 +1,7 @@
-import sys, time, json, torch
+import sys
+import time
+import json
+import torch
 sys.path.insert(0, ".")
 from benchmarks.qwen2_5_omni_pipeline_gpu import build_checkpoint  # noqa: E402
 from pathlib import Path
