@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import sys
@@ -55,7 +54,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import write_result  # noqa: E402
 from benchmarks.cpu_omni import (  # noqa: E402
     CONTENDED,
     SAMPLE_RATE,
@@ -417,14 +418,8 @@ def main() -> None:
         "checks": checks,
         "any_contended_units": any(r["contended_units"] for r in res.values()),
     }
-    result["config"]["loadavg_1min_start_end"] = [round(load_before[0], 2),
-                                                  round(os.getloadavg()[0], 2)]
     result["config"]["benchmark_wall_s"] = round(time.perf_counter() - t_start, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out, load_before)
     if tmp is not None:
         tmp.cleanup()
 

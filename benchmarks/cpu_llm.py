@@ -29,6 +29,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import write_result  # noqa: E402
+
+
 
 def cpu_model() -> str:
     try:
@@ -323,14 +327,7 @@ def main() -> None:
         result["goals"] = {"vs_hf_one_at_a_time_>=5x": s_single >= 5.0,
                            f"vs_hf_batch_{args.hf_batch}_>=2x": s_batch >= 2.0}
         result["greedy_agreement_vs_hf_one_at_a_time"] = agreement(omni_ids, single_ids)
-    # other processes on the machine skew timings: the 1-minute load average, start and end
-    result["config"]["loadavg_1min_start_end"] = [round(load_before[0], 2),
-                                                  round(os.getloadavg()[0], 2)]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out, load_before)
     if tmp is not None:
         tmp.cleanup()
 

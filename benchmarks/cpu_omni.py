@@ -21,10 +21,10 @@ import codecs
 import contextlib
 import datetime
 import io
-import json
 import os
 import platform
 import tempfile
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import write_result  # noqa: E402
+
 
 SAMPLE_RATE = 24000
 CODE2WAV_SEED = 7
@@ -449,13 +453,7 @@ def main() -> None:
             result[f"agreement_{key}_vs_hf_one_at_a_time"] = agreement(batch_res, single_res)
         result["any_contended_units"] = any(
             r.get("contended_units", 0) for r in result.values() if isinstance(r, dict))
-    result["config"]["loadavg_1min_start_end"] = [round(load_before[0], 2),
-                                                  round(os.getloadavg()[0], 2)]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out, load_before)
     if tmp is not None:
         tmp.cleanup()
 
