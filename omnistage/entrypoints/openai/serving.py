@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import soundfile
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.protocol import APIError, StageSamplingParams
@@ -251,6 +251,23 @@ async def collect(stream: RequestStream) -> tuple[OmniRequestOutput, np.ndarray 
     if chunks or any(s.audio is not None for s in last.stages.values()):
         audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
     return last, audio
+
+
+def client_gone(state: ServerState, rid: str, endpoint: str) -> Response:
+    """The client disconnected before the response started: count it; 499 (nginx's code)."""
+    state.metrics.aborted.labels(endpoint).inc()
+    log.info("%s: aborted, the client disconnected", rid)
+    return Response(status_code=499)
+
+
+def release_unless_handed_over(state: ServerState, stream: RequestStream | None,
+                               handed_over: bool) -> None:
+    """A handler is leaving: unless a streaming response owns the request now, stop it and give
+    its queue slot back."""
+    if not handed_over:
+        if stream is not None:
+            stream.cancel()
+        state.release()
 
 
 def close_stream(state: ServerState, stream: RequestStream, rid: str, endpoint: str) -> None:

@@ -22,7 +22,8 @@ from omnistage.entrypoints.openai.protocol import (AudioOutputParams, ChatComple
                                                    ChatMessage, ImageURLPart, InputAudioPart,
                                                    TextPart, APIError, VideoURLPart)
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
-                                                  close_stream,
+                                                  client_gone, close_stream,
+                                                  release_unless_handed_over,
                                                   RequestStream, ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
                                                   runtime_error, seconds, sse, to_pcm16, usage)
@@ -84,14 +85,9 @@ class OpenAIServingChat:
             return JSONResponse(await self._complete(stream, first, ctx),
                                 headers={"X-Request-Id": rid})
         except ClientGone:
-            st.metrics.aborted.labels("chat").inc()
-            log.info("%s: aborted, the client disconnected", rid)
-            return Response(status_code=499)
+            return client_gone(st, rid, "chat")
         finally:
-            if not handed_over:
-                if stream is not None:
-                    stream.cancel()
-                st.release()
+            release_unless_handed_over(st, stream, handed_over)
 
     def _close(self, stream: RequestStream, rid: str) -> None:
         close_stream(self.state, stream, rid, "chat")

@@ -17,7 +17,8 @@ from starlette.responses import Response
 
 from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
-                                                  close_stream,
+                                                  client_gone, close_stream,
+                                                  release_unless_handed_over,
                                                   RequestStream, ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
                                                   runtime_error, seconds, sse, to_pcm16)
@@ -68,14 +69,9 @@ class OpenAIServingSpeech:
                 headers["X-Transcript"] = transcript
             return Response(data, media_type=media, headers=headers)
         except ClientGone:
-            st.metrics.aborted.labels("speech").inc()
-            log.info("%s: aborted, the client disconnected", rid)
-            return Response(status_code=499)
+            return client_gone(st, rid, "speech")
         finally:
-            if not handed_over:
-                if stream is not None:
-                    stream.cancel()
-                st.release()
+            release_unless_handed_over(st, stream, handed_over)
 
     def _close(self, stream: RequestStream, rid: str) -> None:
         close_stream(self.state, stream, rid, "speech")
