@@ -131,7 +131,8 @@ class Qwen2_5OmniThinkerToTalker:
             return ALWAYS_READY
         return self.prompt_len + 1 + len(self.reply_rows)
 
-    def rows(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, seq: Sequence, start: int, end: int
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         P, R = self.prompt_len, len(self.reply_rows)
         parts = []
         for pos in range(start, end):
@@ -145,6 +146,8 @@ class Qwen2_5OmniThinkerToTalker:
                              self.eos_row if j == R else self.pad_row)
         # rows replace the codec embedding in the prompt; "transformers5" also at P and P+1
         replace_upto = P if self.handoff == "qwen" else P + 2
+        if start >= replace_upto:  # decode steps: rows are only added (no mask, no host sync)
+            return torch.stack(parts), None
         replace = torch.arange(start, end, device=self.bos_row.device) < replace_upto
         return torch.stack(parts), replace
 
