@@ -20,7 +20,6 @@ class StageOutput:
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float = 0.0
     ttft: float | None = None  # seconds to the first text token
     ttfa: float | None = None  # seconds to the first audio sample
     e2e: float | None = None

@@ -83,9 +83,6 @@ class Sequence:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED

@@ -78,7 +78,6 @@ class Qwen2_5OmniThinkerToTalker:
         self.thinker_seq = thinker_seq
         self.handoff = handoff
         self.prompt_len = thinker_seq.num_prompt_tokens
-        ids = torch.tensor(thinker_seq.prompt_token_ids)
         media = torch.zeros(self.prompt_len, dtype=torch.bool)
         for m in thinker_seq.media:
             media[m.start:m.end] = True
@@ -94,7 +93,6 @@ class Qwen2_5OmniThinkerToTalker:
         self.num_prompt_rows = 0
         self.reply_rows: list[torch.Tensor] = []
         self.thinker_finished = False
-        self.prompt_ids = ids.to(dev)
 
     # ---------------------------------------------------------------- thinker side
     def add_thinker_rows(self, start: int, hidden: torch.Tensor) -> None:
