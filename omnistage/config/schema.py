@@ -65,6 +65,8 @@ class StageConfig(_Strict):
     checkpoint_prefix: str | None = None
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None = the OmniLLM device
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # where the stage runs: in the orchestrator's process, or in a (spawned) process of its own
+    worker: Literal["inprocess", "process"] = "inprocess"
     engine: EngineOptions = EngineOptions()
     inputs: list[StageInput] = []
     default_sampling: SamplingDefaults = SamplingDefaults()

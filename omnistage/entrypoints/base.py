@@ -34,7 +34,10 @@ class OmniBase:
         self.request_timeout = request_timeout
         self.pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
-        self.runtime = Orchestrator(self.pipeline.workers, background=self.background_runtime)
+        self.runtime = Orchestrator(
+            self.pipeline.workers, background=self.background_runtime,
+            process_stages=getattr(self.pipeline, "process_stages", None),
+            order=self.pipeline.stage_names)
 
     # -------------------------------------------------------------- conveniences
     @property

@@ -38,12 +38,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per AR stage")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--stage-worker", choices=["inprocess", "process"], default=None,
+                   help="run every stage in this process or each in its own (default: the "
+                   "pipeline YAML's `worker` keys)")
 
 
 def _engine_kwargs(args) -> dict:
     opts = {k: getattr(args, k) for k in ("max_model_len", "max_num_seqs",
                                           "max_num_batched_tokens", "num_kv_blocks",
-                                          "block_size")}
+                                          "block_size", "stage_worker")}
     return {"pipeline": args.pipeline, "device": args.device, "dtype": args.dtype,
             **{k: v for k, v in opts.items() if v is not None}}
 

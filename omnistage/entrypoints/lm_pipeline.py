@@ -19,6 +19,7 @@ from omnistage.entrypoints.prompts import text_prompt_ids
 from omnistage.models.layers import DecoderForCausalLM
 from omnistage.models.registry import register_model, resolve_architecture
 from omnistage.runtime.orchestrator import RuntimeRequest
+from omnistage.runtime.process import StageProcessSpec
 from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams
 
@@ -78,37 +79,68 @@ class CausalLMPipeline:
             raise ValueError("pipeline: a causal LM checkpoint runs a single AR stage")
         stage = pipeline.stages[0]
         self.config, self.name = pipeline, stage.name
+        options = dict(engine_options)
+        worker = options.pop("stage_worker", None)
+        if worker not in (None, "inprocess", "process"):
+            raise ValueError(f"stage_worker: {worker!r}; one of 'inprocess', 'process'")
         if stage.device:
             device = resolve_device(stage.device)
         if stage.dtype != "auto":
             dtype = resolve_dtype(stage.dtype, device)
-        _, cls = resolve_architecture(config.get("architectures") or [])
-        self.model = build_model(cls, config, iter_tensors(path, stage.checkpoint_prefix or ""),
-                                 device, dtype)
+        resolve_architecture(config.get("architectures") or [])
         self.tokenizer = load_tokenizer(path)
+        self.vocab_size = config["vocab_size"]
+        self.max_model_len = stage_engine_config(config.get("max_position_embeddings", 32768),
+                                                 options, stage.engine).max_model_len
         gen_cfg = load_generation_config(path)
-        cfg = stage_engine_config(config.get("max_position_embeddings", 32768), engine_options,
-                                  stage.engine)
-        self.engine = AREngine(self.model, cfg, device, dtype, self.tokenizer,
-                               eos_token_ids(gen_cfg, config, self.tokenizer))
-        self.workers = {self.name: ARStageWorker(self.name, self.engine)}
         self.default_params = {self.name: stage.default_sampling.apply(
             generation_defaults(gen_cfg))}
+        self.workers: dict[str, ARStageWorker] = {}
+        self.process_stages: dict[str, StageProcessSpec] = {}
+        if (worker or stage.worker) == "process":
+            self.process_stages[self.name] = StageProcessSpec(
+                str(path), config, pipeline, self.name, str(device), str(dtype).split(".")[-1],
+                options)
+        else:
+            self.workers[self.name] = self.build_stage(path, config, pipeline, self.name, device,
+                                                       dtype, options)
+
+    @classmethod
+    def build_stage(cls, path, config: dict, pipeline: PipelineConfig, name: str,
+                    device: torch.device, dtype: torch.dtype, options: dict[str, Any]
+                    ) -> ARStageWorker:
+        stage = pipeline.stage(name)
+        _, model_cls = resolve_architecture(config.get("architectures") or [])
+        model = build_model(model_cls, config, iter_tensors(path, stage.checkpoint_prefix or ""),
+                            device, dtype)
+        tokenizer = load_tokenizer(path)
+        cfg = stage_engine_config(config.get("max_position_embeddings", 32768), options,
+                                  stage.engine)
+        eos = eos_token_ids(load_generation_config(path), config, tokenizer)
+        return ARStageWorker(name, AREngine(model, cfg, device, dtype, tokenizer, eos))
 
     @property
     def stage_names(self) -> list[str]:
         return [self.name]
 
     @property
+    def engine(self) -> AREngine:
+        return self.workers[self.name].engine
+
+    @property
+    def model(self) -> DecoderForCausalLM:
+        return self.engine.runner.model
+
+    @property
     def engines(self) -> dict[str, AREngine]:
-        return {self.name: self.engine}
+        return {n: w.engine for n, w in self.workers.items()}
 
     def prepare(self, prompt: Any, params: dict[str, SamplingParams],
                 modalities: list[str], where: str, index: int) -> RuntimeRequest:
         p = params[self.name]
-        p.validate(where.replace("prompts", "sampling_params"), self.model.vocab_size)
-        ids = text_prompt_ids(prompt, self.tokenizer, where, self.model.vocab_size)
-        max_len = self.engine.config.max_model_len
+        p.validate(where.replace("prompts", "sampling_params"), self.vocab_size)
+        ids = text_prompt_ids(prompt, self.tokenizer, where, self.vocab_size)
+        max_len = self.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"{where}: {len(ids)} tokens, max_model_len is {max_len}")
         seq = Sequence(new_request_id(index), ids, p, resolve_seed(p))

@@ -3,13 +3,17 @@
 NOTE: each loop iteration drains control messages (submit, abort), then steps every stage
 that has work, in pipeline order. A stage's step batches all of its ready requests, so the
 thinker decodes request A while the talker speaks request B and code2wav renders request C.
-Stage-to-stage data (hidden rows, codes) moves through per-request routes set up by the
-model's adapters, by reference (same device, no host copy); only small control messages and
-the user's outputs (text deltas, audio chunks) pass through here."""
+A stage runs here (a StageHost stepped by this loop) or in a process of its own (process.py),
+which steps itself; this loop then only polls its events. Stage-to-stage data (hidden rows,
+codes) moves through each request's links, set up by the model's adapters: by reference
+within a process, over a pipe of their own between stage processes; only small control
+messages and the user's outputs (text deltas, audio chunks) pass through here."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import multiprocessing.connection
 import queue
 import threading
 import time
@@ -21,7 +25,8 @@ import numpy as np
 import torch
 
 from omnistage.outputs import OmniRequestOutput, StageOutput
-from omnistage.runtime.stage import StageEvent, StageWorker
+from omnistage.runtime.process import ProcessStage, StageProcessSpec, unpack_events
+from omnistage.runtime.stage import StageEvent, StageHost, StageLink, StageWorker
 
 log = logging.getLogger("omnistage.runtime")
 
@@ -37,8 +42,8 @@ class RuntimeRequest:
     audio_stage: str | None = None
     sample_rate: int | None = None
     seed: int | None = None
-    # upstream stage -> hooks fed with its events (the adapters' side of the handoff)
-    routes: dict[str, list[Callable[[StageEvent], None]]] = field(default_factory=dict)
+    # stage -> stage handoffs of this request (the adapters), run beside the stages
+    links: list[StageLink] = field(default_factory=list)
     finalize: Callable[[OmniRequestOutput], None] | None = None
     deadline: float | None = None  # monotonic seconds
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -61,18 +66,32 @@ class Orchestrator:
     background=False: the caller drives it with run_until() (OmniLLM), which keeps torch's
     CPU work on the calling thread (a second thread costs ~15% on CPU via its own OpenMP team)."""
 
-    def __init__(self, workers: dict[str, StageWorker], background: bool = True) -> None:
-        self.workers = workers  # in pipeline order
+    def __init__(self, workers: dict[str, StageWorker], background: bool = True,
+                 process_stages: dict[str, StageProcessSpec] | None = None,
+                 order: list[str] | None = None, startup_timeout: float = 600.0) -> None:
+        process_stages = process_stages or {}
+        order = order or [*workers, *(n for n in process_stages if n not in workers)]
+        self.workers = workers  # the stages in this process
+        self.local = {n: StageHost(w, self._deliver) for n, w in workers.items()}
+        self.remote = {n: ProcessStage(spec) for n, spec in process_stages.items()}
+        self.hosts: dict[str, StageHost | ProcessStage] = {
+            n: self.local[n] if n in self.local else self.remote[n] for n in order}
+        specs = list(process_stages.values())
+        self.edges = [(i.upstream, s.name) for s in (specs[0].pipeline.stages if specs else ())
+                      for i in s.inputs if i.upstream in self.hosts and s.name in self.hosts]
         self.requests: dict[str, RuntimeRequest] = {}
         self.control: queue.Queue = queue.Queue()
         self.step_delay: dict[str, float] = {}  # test hook: slow a stage down
         # test hook: (stage, request id, tokens so far, audio chunk?) per event
         self.trace: list[tuple[str, str, int, bool]] | None = None
-        self.stage_errors: dict[str, int] = {name: 0 for name in workers}
+        self.stage_errors: dict[str, int] = {name: 0 for name in self.hosts}
         self.finished_requests = 0
         self._torch_threads = torch.get_num_threads()  # intra-op threads are per OS thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False) if self.remote else (None, None)
+        if self.remote:
+            self._start_remote(startup_timeout)
         if background:
             self._thread = threading.Thread(target=self._loop, name="omnistage-runtime",
                                             daemon=True)
@@ -82,19 +101,32 @@ class Orchestrator:
     def submit(self, req: RuntimeRequest, sink: Callable[[OmniRequestOutput], None],
                stream: bool = True) -> None:
         req.sink, req.stream = sink, stream
-        self.control.put(("submit", req))
+        self._put(("submit", req))
 
     def abort(self, request_id: str, error: str | None = None) -> None:
-        self.control.put(("abort", request_id, error))
+        self._put(("abort", request_id, error))
+
+    def _put(self, msg: tuple) -> None:
+        self.control.put(msg)
+        if self._wake_w is not None:  # the loop may be waiting on stage processes
+            self._wake_w.send_bytes(b"")
+
+    def set_step_delay(self, stage: str, seconds: float) -> None:
+        """Test hook: slow a stage down (here or in its process)."""
+        if stage in self.remote:
+            self.remote[stage].set_step_delay(seconds)
+        else:
+            self.step_delay[stage] = seconds
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self.control.put(("wake",))
+        self._put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
         else:
             self._drain_control(block=False)
             self._fail_all_requests()
+            self._stop_remote()
 
     @property
     def alive(self) -> bool:
@@ -114,7 +146,108 @@ class Orchestrator:
         return len(self.requests)
 
     def stats(self) -> dict[str, dict[str, float]]:
-        return {name: w.stats() for name, w in self.workers.items()}
+        return {name: h.stats() for name, h in self.hosts.items()}
+
+    # ---------------------------------------------------------------- stage processes
+    def _start_remote(self, timeout: float) -> None:
+        pipes = {(u, d): mp.get_context("spawn").Pipe(duplex=False) for u, d in self.edges
+                 if u in self.remote and d in self.remote}
+        for name, stage in self.remote.items():
+            stage.start({u: pipes[(u, d)][0] for u, d in pipes if d == name},
+                        {d: pipes[(u, d)][1] if (u, d) in pipes else None
+                         for u, d in self.edges if u == name})
+        deadline = time.monotonic() + timeout
+        while not all(s.ready for s in self.remote.values()):
+            for name, stage in self.remote.items():
+                for msg in stage.poll():
+                    if msg[0] == "ready":
+                        stage.ready = True
+                    elif msg[0] == "failed":
+                        self._stop_remote()
+                        raise RuntimeError(f"stage {name}: its process failed to start: {msg[1]}")
+                if stage.dead:
+                    self._stop_remote()
+                    raise RuntimeError(f"stage {name}: its process exited while starting "
+                                       f"(exit code {stage.proc.exitcode})")
+            if time.monotonic() > deadline:
+                self._stop_remote()
+                raise RuntimeError(f"stage processes not ready after {timeout} s")
+            time.sleep(0.01)
+
+    def _restart(self, name: str) -> None:
+        """A stage process died: fail the requests it held, start a new one, relink pipes."""
+        stage = self.remote[name]
+        code = stage.proc.exitcode if stage.proc is not None else None
+        log.error("stage %s: its process died (exit code %s); restarting it", name, code)
+        self.stage_errors[name] += 1
+        stage.conn = None
+        for rid, req in list(self.requests.items()):
+            if name in req.path:
+                self._fail(rid, f"stage {name}: its process died (exit code {code})")
+        ctx = mp.get_context("spawn")
+        in_edges, out_edges = {}, {}
+        for up, down in self.edges:
+            if down == name and up in self.remote:
+                r, w = ctx.Pipe(duplex=False)
+                in_edges[up] = r
+                self.remote[up].send(("relink_out", name, w))
+                w.close()
+            elif up == name:
+                out_edges[down] = None
+                if down in self.remote:
+                    r, w = ctx.Pipe(duplex=False)
+                    out_edges[down] = w
+                    self.remote[down].send(("relink_in", name, r))
+                    r.close()
+        stage.restarts += 1
+        stage.start(in_edges, out_edges)
+
+    def _poll_remote(self, name: str) -> None:
+        stage = self.remote[name]
+        for msg in stage.poll():
+            kind = msg[0]
+            if kind == "events":
+                for ev in unpack_events(name, msg[1]):
+                    self._route(ev)
+            elif kind == "data":  # a link into a stage of this process
+                self.hosts[msg[1]].receive(*msg[2:])
+            elif kind == "stats":
+                stage.last_stats = msg[1]
+                stage.stats_replies += 1
+            elif kind == "ready":
+                stage.ready = True
+            elif kind == "failed":
+                log.error("stage %s: its process failed to start: %s", name, msg[1])
+        if stage.dead and not self._stop.is_set():
+            self._restart(name)
+
+    def refresh_stats(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
+        """stats() with fresh numbers from every stage process (foreground runtimes only)."""
+        if self._thread is not None:
+            raise RuntimeError("refresh_stats: this runtime polls in its own thread")
+        want = {n: s.stats_replies + 1 for n, s in self.remote.items()}
+        for s in self.remote.values():
+            s.send(("stats",))
+        deadline = time.monotonic() + timeout
+        while any(self.remote[n].stats_replies < k for n, k in want.items()) \
+                and time.monotonic() < deadline:
+            self._wait_remote(0.05)
+            for name in self.remote:
+                self._poll_remote(name)
+        return self.stats()
+
+    def _wait_remote(self, timeout: float) -> None:
+        conns = [self._wake_r, *(s.conn for s in self.remote.values() if s.conn is not None)]
+        if mp.connection.wait(conns, timeout=timeout):
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+
+    def _stop_remote(self) -> None:
+        for stage in self.remote.values():
+            stage.stop(timeout=5.0)
+
+    def _deliver(self, downstream: str, request_id: str, index: int, msg: Any) -> None:
+        self.hosts[downstream].receive(request_id, index, msg)
 
     # ---------------------------------------------------------------- loop (runtime thread)
     def _loop(self) -> None:
@@ -122,6 +255,7 @@ class Orchestrator:
         while not self._stop.is_set():
             self._iteration()
         self._fail_all_requests()
+        self._stop_remote()
 
     def _fail_all_requests(self) -> None:
         for rid in list(self.requests):  # shutdown: nothing is left running
@@ -129,23 +263,30 @@ class Orchestrator:
 
     def _iteration(self) -> None:
         """One pass: control messages, deadlines, then a step of every stage with work."""
-        busy = any(w.has_work() for w in self.workers.values())
-        self._drain_control(block=not busy)
+        busy = any(h.has_work() for h in self.local.values())
+        if self.remote:
+            self._wait_remote(0.0 if busy else 0.05)
+            self._drain_control(block=False)
+        else:
+            self._drain_control(block=not busy)
         self._expire()
-        for name, worker in self.workers.items():
-            if not worker.has_work():
+        for name, host in self.hosts.items():
+            if name in self.remote:
+                self._poll_remote(name)
+                continue
+            if not host.has_work():
                 continue
             if name in self.step_delay:
                 time.sleep(self.step_delay[name])
             t0 = time.perf_counter()
             try:
-                events = worker.step()
+                events = host.step()
             except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
                 log.exception("stage %s crashed; failing its requests and restarting it", name)
                 self.stage_errors[name] += 1
-                events = worker.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
-            if hasattr(worker, "busy_seconds"):
-                worker.busy_seconds += time.perf_counter() - t0
+                events = host.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
+            if hasattr(host.worker, "busy_seconds"):
+                host.worker.busy_seconds += time.perf_counter() - t0
             for ev in events:
                 self._route(ev)
 
@@ -166,9 +307,10 @@ class Orchestrator:
             req: RuntimeRequest = msg[1]
             req.arrival = time.monotonic()
             self.requests[req.request_id] = req
-            try:
-                for stage in req.path:
-                    self.workers[stage].submit(req.request_id, req.stage_requests[stage])
+            try:  # downstream first: a stage process is set up before data reaches it
+                for stage in reversed(req.path):
+                    self.hosts[stage].submit(req.request_id, req.stage_requests[stage],
+                                             req.links)
             except ValueError as e:  # rejected by a stage: fails alone
                 self._fail(req.request_id, str(e))
         elif msg[0] == "abort":
@@ -185,8 +327,6 @@ class Orchestrator:
         req = self.requests.get(ev.request_id)
         if req is None:
             return
-        for hook in req.routes.get(ev.stage, ()):
-            hook(ev)
         now = time.monotonic() - req.arrival
         req.stage_tokens.setdefault(ev.stage, []).extend(ev.token_ids)
         if self.trace is not None:
@@ -248,7 +388,7 @@ class Orchestrator:
         if req is None:
             return
         for stage in req.path:
-            self.workers[stage].abort(request_id)
+            self.hosts[stage].abort(request_id)
         for stage in req.path:
             req.stage_reasons.setdefault(stage, reason)
         self._emit(req, OmniRequestOutput(request_id), finished=True, error=error)

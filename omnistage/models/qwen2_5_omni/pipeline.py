@@ -21,7 +21,8 @@ from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_
 from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerForCausalLM,
-                                                  talker_sequence)
+                                                  talker_default_params, talker_sequence,
+                                                  talker_token_ids)
 from omnistage.models.qwen2_5_omni.thinker import (Qwen2_5OmniThinkerForCausalLM,
                                                    thinker_sequence)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
@@ -29,7 +30,8 @@ from omnistage.models.qwen2_5_omni.voices import load_voices
 from omnistage.models.registry import ADAPTER_REGISTRY
 from omnistage.outputs import OmniRequestOutput
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.stage import ARStageWorker
+from omnistage.runtime.process import StageProcessSpec
+from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
 
 SAMPLE_RATE = 24000
@@ -46,84 +48,135 @@ def _prefix(stage: StageConfig, default: str) -> str:
 
 class Qwen2_5OmniPipeline:
     builtin = "qwen2_5_omni"
+    # pipeline-level options (the rest of engine_options goes to every AR stage's engine)
+    pipeline_options = ("talker_handoff", "code2wav_window", "stage_worker")
 
     def __init__(self, path, config: dict, pipeline: PipelineConfig, device: torch.device,
                  dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
+        """The front end (processor, voices, request preparation) in this process; each stage
+        built here or, where its `worker` is "process", in a stage process of its own."""
         thinker_cfg = config.get("thinker_config")
         if not thinker_cfg:
             raise ValueError(f"model: {path}/config.json has no thinker_config")
-        self.talker_handoff = engine_options.pop("talker_handoff", "qwen")
-        if self.talker_handoff not in HANDOFFS:
-            raise ValueError(f"talker_handoff: {self.talker_handoff!r}; one of {HANDOFFS}")
-        # code2wav_window: None = one-shot per utterance, else a streaming window config
-        window = engine_options.pop("code2wav_window", Qwen2_5OmniCode2WavStreamConfig())
-        if window is not None and not isinstance(window, Qwen2_5OmniCode2WavStreamConfig):
-            raise ValueError("code2wav_window: a Qwen2_5OmniCode2WavStreamConfig or None")
+        options = self._check_options(engine_options)
+        self.talker_handoff = options["talker_handoff"]
         self.config = pipeline
         self.roles = {role: _role(pipeline, model) for role, model in (
             ("thinker", "Qwen2_5OmniThinker"), ("talker", "Qwen2_5OmniTalker"),
             ("code2wav", "Qwen2_5OmniToken2Wav"))}
-        if self.roles["thinker"] is None:
+        st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
+        if st is None:
             raise ValueError("pipeline: a Qwen2.5-Omni pipeline needs a Qwen2_5OmniThinker stage")
         self.processor = Qwen2_5OmniInputProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
         gen_cfg = load_generation_config(path)
-        self.workers: dict = {}
-        self.default_params: dict[str, SamplingParams] = {}
-
-        st = self.roles["thinker"]
-        t_dev, t_dtype = self._placement(st, device, dtype)
-        self.thinker = build_model(Qwen2_5OmniThinkerForCausalLM, thinker_cfg,
-                                   iter_tensors(path, _prefix(st, "thinker.")), t_dev, t_dtype)
-        self._add_ar(st, self.thinker, t_dev, t_dtype, engine_options,
-                     thinker_cfg["text_config"], eos_token_ids(gen_cfg, config, None),
-                     tokenizer=self.tokenizer)
-        self.default_params[st.name] = st.default_sampling.apply(generation_defaults(gen_cfg))
-
-        sk, sc = self.roles["talker"], self.roles["code2wav"]
+        text_cfg = thinker_cfg["text_config"]
+        self.thinker_vocab_size = text_cfg["vocab_size"]
+        self.thinker_eos = eos_token_ids(gen_cfg, config, None)
+        self.thinker_max_len = stage_engine_config(
+            text_cfg.get("max_position_embeddings", 32768), options["engine"],
+            st.engine).max_model_len
+        self.default_params: dict[str, SamplingParams] = {
+            st.name: st.default_sampling.apply(generation_defaults(gen_cfg))}
         self.voices = load_voices(path) if sk and sc and config.get("talker_config") else {}
-        if not self.voices:
-            self.output_modalities = ["text"]
-            return
-        self.output_modalities = ["text", "audio"]
-        k_dev, k_dtype = self._placement(sk, device, dtype)
-        talker_cfg = config["talker_config"]
-        self.talker = build_model(Qwen2_5OmniTalkerForCausalLM, talker_cfg,
-                                  iter_tensors(path, _prefix(sk, "talker.")), k_dev, k_dtype)
-        self._add_ar(sk, self.talker, k_dev, k_dtype, engine_options, talker_cfg, set())
-        self.default_params[sk.name] = sk.default_sampling.apply(self.talker.default_params())
-        c_dev, c_dtype = self._placement(sc, device, dtype)
-        with torch.device(c_dev):
-            token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
-        token2wav.load_state_dict(dict(iter_tensors(path, _prefix(sc, "token2wav."))), strict=True)
-        token2wav.to(c_dtype if sc.dtype != "auto" else torch.float32).eval()
-        self.code2wav = Qwen2_5OmniCode2WavStage(sc.name, token2wav, c_dev, window)
-        self.workers[sc.name] = self.code2wav
-        self.default_params[sc.name] = SamplingParams()
-        self.code2wav_device = c_dev
+        stages = [st] + ([sk, sc] if self.voices else [])
+        self.output_modalities = ["text", "audio"] if self.voices else ["text"]
+        if self.voices:
+            talker_cfg = config["talker_config"]
+            self.talker_vocab_size = talker_cfg["vocab_size"]
+            self.codec_ids, self.text_ids = talker_token_ids(talker_cfg)
+            self.default_params[sk.name] = sk.default_sampling.apply(
+                talker_default_params(self.codec_ids))
+            self.default_params[sc.name] = SamplingParams()
+            self.code2wav_device = self._placement(sc, device, dtype)[0]
+        # stages, in pipeline order: a worker built here, or the spec of a stage process
+        self.workers: dict[str, Any] = {}
+        self.process_stages: dict[str, StageProcessSpec] = {}
+        self.stage_order = [s.name for s in stages]
+        for stage in stages:
+            dev, dt = self._placement(stage, device, dtype)
+            if (options["stage_worker"] or stage.worker) == "process":
+                self.process_stages[stage.name] = StageProcessSpec(
+                    str(path), config, pipeline, stage.name, str(dev), str(dt).split(".")[-1],
+                    options)
+            else:
+                self.workers[stage.name] = self.build_stage(path, config, pipeline, stage.name,
+                                                            dev, dt, options)
+
+    @classmethod
+    def _check_options(cls, engine_options: dict[str, Any]) -> dict[str, Any]:
+        opts = dict(engine_options)
+        handoff = opts.pop("talker_handoff", "qwen")
+        if handoff not in HANDOFFS:
+            raise ValueError(f"talker_handoff: {handoff!r}; one of {HANDOFFS}")
+        # code2wav_window: None = one-shot per utterance, else a streaming window config
+        window = opts.pop("code2wav_window", Qwen2_5OmniCode2WavStreamConfig())
+        if window is not None and not isinstance(window, Qwen2_5OmniCode2WavStreamConfig):
+            raise ValueError("code2wav_window: a Qwen2_5OmniCode2WavStreamConfig or None")
+        worker = opts.pop("stage_worker", None)
+        if worker not in (None, "inprocess", "process"):
+            raise ValueError(f"stage_worker: {worker!r}; one of 'inprocess', 'process'")
+        return {"talker_handoff": handoff, "code2wav_window": window, "stage_worker": worker,
+                "engine": opts}
+
+    @classmethod
+    def build_stage(cls, path, config: dict, pipeline: PipelineConfig, name: str,
+                    device: torch.device, dtype: torch.dtype, options: dict[str, Any]):
+        """One stage's model and worker (in this process; a stage process calls it too)."""
+        stage = pipeline.stage(name)
+        if stage.model == "Qwen2_5OmniToken2Wav":
+            with torch.device(device):
+                token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
+            token2wav.load_state_dict(dict(iter_tensors(path, _prefix(stage, "token2wav."))),
+                                      strict=True)
+            token2wav.to(dtype if stage.dtype != "auto" else torch.float32).eval()
+            return Qwen2_5OmniCode2WavStage(name, token2wav, device, options["code2wav_window"])
+        engine_opts = dict(options["engine"])
+        sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
+        if device.type == "cuda" \
+                and not sized & {k for k, v in engine_opts.items() if v is not None} \
+                and not sized & {k for k, v in stage.engine.model_dump().items() if v is not None}:
+            # NOTE: stages share one GPU: the thinker (built first) takes 45% of the free memory
+            # for KV, the talker half of what is left, and the rest stays for code2wav and graphs
+            engine_opts["kv_cache_memory_fraction"] = (
+                0.45 if stage.model == "Qwen2_5OmniThinker" else 0.5)
+        if stage.model == "Qwen2_5OmniThinker":
+            model_cfg, cls_, prefix = config["thinker_config"], Qwen2_5OmniThinkerForCausalLM, \
+                "thinker."
+            tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(path).tokenizer
+            eos = eos_token_ids(load_generation_config(path), config, None)
+            max_len = model_cfg["text_config"].get("max_position_embeddings", 32768)
+        else:
+            model_cfg, cls_, prefix = config["talker_config"], Qwen2_5OmniTalkerForCausalLM, \
+                "talker."
+            tokenizer, eos = None, set()
+            max_len = model_cfg.get("max_position_embeddings", 32768)
+        model = build_model(cls_, model_cfg, iter_tensors(path, _prefix(stage, prefix)), device,
+                            dtype)
+        cfg = stage_engine_config(max_len, engine_opts, stage.engine)
+        return ARStageWorker(name, AREngine(model, cfg, device, dtype, tokenizer, eos))
 
     @staticmethod
     def _placement(stage: StageConfig, device, dtype) -> tuple[torch.device, torch.dtype]:
         dev = resolve_device(stage.device) if stage.device else device
         return dev, (dtype if stage.dtype == "auto" else resolve_dtype(stage.dtype, dev))
 
-    def _add_ar(self, stage: StageConfig, model, device, dtype, options, model_cfg: dict,
-                eos: set[int], tokenizer=None) -> None:
-        options = dict(options)
-        sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
-        if device.type == "cuda" and not sized & {k for k, v in options.items() if v is not None} \
-                and not sized & {k for k, v in stage.engine.model_dump().items() if v is not None}:
-            # NOTE: stages share one GPU: the thinker (built first) takes 45% of the free memory
-            # for KV, the talker half of what is left, and the rest stays for code2wav and graphs
-            options["kv_cache_memory_fraction"] = 0.45 if not self.workers else 0.5
-        cfg = stage_engine_config(model_cfg.get("max_position_embeddings", 32768), options,
-                                  stage.engine)
-        self.workers[stage.name] = ARStageWorker(
-            stage.name, AREngine(model, cfg, device, dtype, tokenizer, eos))
-
     @property
     def stage_names(self) -> list[str]:
-        return list(self.workers)
+        return list(self.stage_order)
+
+    # the stage models and workers of this process (tests, benchmarks)
+    @property
+    def thinker(self) -> Qwen2_5OmniThinkerForCausalLM:
+        return self.workers[self.roles["thinker"].name].engine.runner.model
+
+    @property
+    def talker(self) -> Qwen2_5OmniTalkerForCausalLM:
+        return self.workers[self.roles["talker"].name].engine.runner.model
+
+    @property
+    def code2wav(self) -> Qwen2_5OmniCode2WavStage:
+        return self.workers[self.roles["code2wav"].name]
 
     @property
     def engines(self) -> dict[str, AREngine]:
@@ -135,7 +188,7 @@ class Qwen2_5OmniPipeline:
         names = {role: (s.name if s else None) for role, s in self.roles.items()}
         p = params[names["thinker"]]
         p.validate(where.replace("prompts", "sampling_params") + f"[{names['thinker']}]",
-                   self.thinker.vocab_size)
+                   self.thinker_vocab_size)
         seq = self._thinker_seq(prompt, p, modalities, where, index)
         if isinstance(prompt, dict) and prompt.get("forced_reply"):
             self._force_reply(seq, prompt["forced_reply"])
@@ -151,25 +204,28 @@ class Qwen2_5OmniPipeline:
                              f"{sorted(self.voices)}")
         tp = params[names["talker"]]
         tp.validate(where.replace("prompts", "sampling_params") + f"[{names['talker']}]",
-                    self.talker.vocab_size)
+                    self.talker_vocab_size)
         cp = params[names["code2wav"]]
         tseed = tp.seed if tp.seed is not None else seq.seed + 1
         cseed = cp.seed if cp.seed is not None else seq.seed + 2
         seq.export_hidden = True
         v = self.voices[voice]
         adapter = ADAPTER_REGISTRY[self.roles["talker"].inputs[0].adapter](
-            self.thinker, self.talker, seq, v["bos_token"], self.talker_handoff)
-        talker_seq = talker_sequence(seq.request_id, seq, adapter, self.talker, tp, tseed)
-        dev = self.code2wav_device
+            list(seq.prompt_token_ids), [(m.start, m.end) for m in seq.media], v["bos_token"],
+            self.text_ids, self.talker_handoff)
+        talker_seq = talker_sequence(seq.request_id, seq, adapter, self.codec_ids, tp, tseed)
+        # a stage process moves the voice to its device itself (no CUDA in the front end)
+        dev = self.code2wav_device if names["code2wav"] in self.workers else "cpu"
         c2w = Code2WavRequest(v["cond"].to(dev), v["ref_mel"].to(dev), cseed)
         to_code2wav = ADAPTER_REGISTRY[self.roles["code2wav"].inputs[0].adapter](
-            self.code2wav, tp.stop_token_ids)
+            tp.stop_token_ids)
         req.path += [names["talker"], names["code2wav"]]
         req.stage_requests.update({names["talker"]: talker_seq, names["code2wav"]: c2w})
-        req.routes = {names["thinker"]: [adapter.on_event],
-                      names["talker"]: [to_code2wav.on_event]}
+        req.links = [StageLink(names["thinker"], names["talker"], adapter),
+                     StageLink(names["talker"], names["code2wav"], to_code2wav)]
         req.audio_stage, req.sample_rate = names["code2wav"], SAMPLE_RATE
-        req.finalize = lambda out: self._finalize(out, names["talker"], to_code2wav)
+        stops = set(tp.stop_token_ids)
+        req.finalize = lambda out: self._finalize(out, names["talker"], stops)
         return req
 
     def _force_reply(self, seq: Sequence, text: str) -> None:
@@ -177,21 +233,22 @@ class Qwen2_5OmniPipeline:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if eos is None or eos < 0 or eos == self.tokenizer.unk_token_id:
-            eos = min(self.workers[self.roles["thinker"].name].engine.eos_token_ids)
+            eos = min(self.thinker_eos)
         seq.forced_output_ids = ids + [eos]
         seq.params = SamplingParams(**{**seq.params.__dict__, "temperature": 0.0,
                                        "max_tokens": len(ids) + 1, "min_tokens": 0,
                                        "stop": [], "ignore_eos": False})
 
     @staticmethod
-    def _finalize(out: OmniRequestOutput, talker: str, to_code2wav) -> None:
-        if talker in out.stages:  # codes without the stop code that ended them
-            out.stages[talker].token_ids = list(to_code2wav.codes)
-            out.metrics.tokens_per_stage[talker] = len(to_code2wav.codes)
+    def _finalize(out: OmniRequestOutput, talker: str, stops: set[int]) -> None:
+        stage = out.stages.get(talker)
+        if stage is not None and stage.finish_reason == "stop" and stage.token_ids \
+                and stage.token_ids[-1] in stops:  # codes without the stop code that ended them
+            stage.token_ids = stage.token_ids[:-1]
+            out.metrics.tokens_per_stage[talker] = len(stage.token_ids)
 
     def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index) -> Sequence:
-        engine = self.workers[self.roles["thinker"].name].engine
-        max_prompt = engine.config.max_model_len - 1
+        max_prompt = self.thinker_max_len - 1
         with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
         if not isinstance(with_av, bool):
             raise ValueError(f"{where}.use_audio_in_video: must be true or false, got {with_av!r}")
@@ -214,7 +271,7 @@ class Qwen2_5OmniPipeline:
         if processed is not None:
             return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
         ids = list(prompt["prompt_token_ids"])  # raw token ids: text only
-        bad = [t for t in ids if not 0 <= t < self.thinker.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.thinker_vocab_size]
         if bad:
             raise ValueError(f"{where}.prompt_token_ids: ids {bad[:4]} outside the vocabulary")
         if len(ids) > max_prompt:

@@ -20,6 +20,8 @@ above, the default) and "transformers5" (bit-compatible with transformers 5.23).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -45,10 +47,7 @@ class Qwen2_5OmniTalkerForCausalLM(DecoderForCausalLM):
         self.model = DecoderModel(self.config, embed_dim=embed_dim)
         self.thinker_to_talker_proj = nn.Linear(embed_dim, self.config.hidden_size)
         self.codec_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        self.codec_ids = {name: talker_config[f"tts_codec_{name}_token_id"]
-                          for name in ("start", "end", "pad", "mask")}
-        self.text_ids = {name: talker_config[f"tts_text_{name}_token_id"]
-                         for name in ("start", "end", "pad")}
+        self.codec_ids, self.text_ids = talker_token_ids(talker_config)
 
     def tie_weights(self) -> None:
         pass
@@ -61,69 +60,111 @@ class Qwen2_5OmniTalkerForCausalLM(DecoderForCausalLM):
         return self.codec_head(hidden).float()
 
     def default_params(self) -> SamplingParams:
-        """transformers' talker defaults."""
-        c = self.codec_ids
-        return SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
-                              max_tokens=4096, stop_token_ids=[c["pad"], c["end"]],
-                              suppress_token_ids=[c["start"]])
+        return talker_default_params(self.codec_ids)
+
+
+def talker_token_ids(talker_config: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """(codec ids: start/end/pad/mask, thinker text ids: start/end/pad) from the config."""
+    codec = {name: talker_config[f"tts_codec_{name}_token_id"]
+             for name in ("start", "end", "pad", "mask")}
+    text = {name: talker_config[f"tts_text_{name}_token_id"] for name in ("start", "end", "pad")}
+    return codec, text
+
+
+def talker_default_params(codec_ids: dict[str, int]) -> SamplingParams:
+    """transformers' talker defaults."""
+    c = codec_ids
+    return SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
+                          max_tokens=4096, stop_token_ids=[c["pad"], c["end"]],
+                          suppress_token_ids=[c["start"]])
+
+
+@dataclass
+class ThinkerRows:
+    """Thinker -> talker message: talker-ready rows of thinker positions [start, start + n)."""
+
+    start: int
+    rows: torch.Tensor  # [n, D] final-norm hidden + input embedding (zeroed at media)
+    specials: torch.Tensor | None  # [3, D] embeddings of voice bos, <|tts_eos|>, <|tts_pad|>
+    finished: bool  # the thinker's reply has ended
+
+
+@dataclass
+class TalkerCodes:
+    """Talker -> code2wav message: new codes (stop code removed)."""
+
+    codes: list[int]
+    finished: bool
 
 
 @register_adapter("qwen2_5_omni_thinker_to_talker")
 class Qwen2_5OmniThinkerToTalker:
-    """Collects one request's thinker rows and serves them to its talker request (an engine
-    InputSource). Rows stay on the thinker's device; nothing is copied to the host."""
+    """One request's thinker -> talker handoff. `send` runs beside the thinker (it needs the
+    thinker's embedding table), `receive` and the InputSource side (ready/rows) beside the
+    talker. Built from plain data, so it pickles to stage processes; rows stay on device."""
 
-    def __init__(self, thinker, talker: Qwen2_5OmniTalkerForCausalLM, thinker_seq: Sequence,
-                 speaker_bos_id: int, handoff: str = "qwen") -> None:
-        self.thinker_seq = thinker_seq
+    def __init__(self, prompt_ids: list[int], media: list[tuple[int, int]], speaker_bos_id: int,
+                 text_ids: dict[str, int], handoff: str = "qwen") -> None:
         self.handoff = handoff
-        self.prompt_len = thinker_seq.num_prompt_tokens
-        media = torch.zeros(self.prompt_len, dtype=torch.bool)
-        for m in thinker_seq.media:
-            media[m.start:m.end] = True
-        self.embed = thinker.embed
-        dev = thinker.lm_head.weight.device
-        self.keep_embed = (~media).to(dev)  # zero the embedding at media placeholders
-        special = torch.tensor([speaker_bos_id, talker.text_ids["end"], talker.text_ids["pad"]],
-                               device=dev)
-        self.bos_row, self.eos_row, self.pad_row = self.embed(special)
-        width = self.bos_row.shape[-1]
-        self.prompt_rows = torch.zeros(self.prompt_len, width, device=dev,
-                                       dtype=self.bos_row.dtype)
+        self.prompt_len = len(prompt_ids)
+        self.media = media
+        self.special_ids = [speaker_bos_id, text_ids["end"], text_ids["pad"]]
+        # thinker side: the ids fed at each position (prompt, then the reply fed back)
+        self.fed_ids = list(prompt_ids)
+        self.sent_specials = False
+        # talker side
+        self.prompt_rows: torch.Tensor | None = None
         self.num_prompt_rows = 0
         self.reply_rows: list[torch.Tensor] = []
+        self.specials: torch.Tensor | None = None
         self.thinker_finished = False
 
     # ---------------------------------------------------------------- thinker side
-    def add_thinker_rows(self, start: int, hidden: torch.Tensor) -> None:
-        """hidden: [n, D] final-norm states of thinker positions [start, start+n)."""
-        n = hidden.shape[0]
-        seq = self.thinker_seq
-        ids = torch.tensor([seq.token_id(i) for i in range(start, start + n)],
-                           device=hidden.device)
-        rows = hidden + self.embed(ids)
-        P = self.prompt_len
-        if start < P:
-            k = min(n, P - start)
-            keep = self.keep_embed[start:start + k, None]
-            self.prompt_rows[start:start + k] = hidden[:k] + self.embed(ids[:k]) * keep
-            self.num_prompt_rows = start + k
-        for i in range(max(start, P), start + n):  # reply rows, one per fed-back reply token
-            self.reply_rows.append(rows[i - start])
-
-    def finish_thinker(self) -> None:
-        self.thinker_finished = True
-
-    def on_event(self, ev) -> None:
-        """Route a thinker StageEvent: hidden rows in, and the end of the reply."""
+    @torch.inference_mode()
+    def send(self, ev, thinker_worker) -> ThinkerRows | None:
+        """A thinker StageEvent -> the rows it completes (and the end of the reply)."""
+        embed = thinker_worker.engine.runner.model.embed
+        rows = specials = None
+        start = 0
         if ev.hidden is not None:
-            self.add_thinker_rows(*ev.hidden)
-        if ev.finished:
-            self.finish_thinker()
+            start, hidden = ev.hidden
+            n = hidden.shape[0]
+            ids = torch.tensor(self.fed_ids[start:start + n], device=hidden.device)
+            emb = embed(ids)
+            for m0, m1 in self.media:  # media placeholders keep only the hidden state
+                lo, hi = max(m0, start), min(m1, start + n)
+                if lo < hi:
+                    emb[lo - start:hi - start] = 0
+            rows = hidden + emb
+            if not self.sent_specials:
+                specials = embed(torch.tensor(self.special_ids, device=hidden.device))
+                self.sent_specials = True
+        self.fed_ids.extend(ev.token_ids)  # fed back at the next positions
+        if rows is None and not ev.finished:
+            return None
+        if rows is None:
+            rows = torch.zeros(0, 1)
+        return ThinkerRows(start, rows, specials, ev.finished)
 
     # ---------------------------------------------------------------- talker side
+    def receive(self, request_id: str, msg: ThinkerRows, talker_worker) -> None:
+        P = self.prompt_len
+        if msg.specials is not None:
+            self.specials = msg.specials
+        n = msg.rows.shape[0]
+        if n and self.prompt_rows is None:
+            self.prompt_rows = msg.rows.new_zeros(P, msg.rows.shape[-1])
+        if msg.start < P and n:
+            k = min(n, P - msg.start)
+            self.prompt_rows[msg.start:msg.start + k] = msg.rows[:k]
+            self.num_prompt_rows = max(self.num_prompt_rows, msg.start + k)
+        # reply rows by position: a recomputed (preempted) thinker re-sends rows it sent before
+        for i in range(max(msg.start, P + len(self.reply_rows)), msg.start + n):
+            self.reply_rows.append(msg.rows[i - msg.start])
+        self.thinker_finished = self.thinker_finished or msg.finished
+
     def ready(self, seq: Sequence) -> int:
-        if self.num_prompt_rows < self.prompt_len:
+        if self.num_prompt_rows < self.prompt_len or self.specials is None:
             return 0
         if self.thinker_finished:
             return ALWAYS_READY
@@ -132,21 +173,21 @@ class Qwen2_5OmniThinkerToTalker:
     def rows(self, seq: Sequence, start: int, end: int
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         P, R = self.prompt_len, len(self.reply_rows)
+        bos_row, eos_row, pad_row = self.specials
         parts = []
         for pos in range(start, end):
             if pos < P:
                 parts.append(self.prompt_rows[pos])
             elif pos == P:
-                parts.append(self.bos_row)
+                parts.append(bos_row)
             else:
                 j = pos - P - 1
-                parts.append(self.reply_rows[j] if j < R else
-                             self.eos_row if j == R else self.pad_row)
+                parts.append(self.reply_rows[j] if j < R else eos_row if j == R else pad_row)
         # rows replace the codec embedding in the prompt; "transformers5" also at P and P+1
         replace_upto = P if self.handoff == "qwen" else P + 2
         if start >= replace_upto:  # decode steps: rows are only added (no mask, no host sync)
             return torch.stack(parts), None
-        replace = torch.arange(start, end, device=self.bos_row.device) < replace_upto
+        replace = torch.arange(start, end, device=bos_row.device) < replace_upto
         return torch.stack(parts), replace
 
 
@@ -154,25 +195,26 @@ class Qwen2_5OmniThinkerToTalker:
 class Qwen2_5OmniTalkerToCode2Wav:
     """Forwards a talker request's codes to code2wav; the stop code is not a code."""
 
-    def __init__(self, code2wav, stop_token_ids: list[int]) -> None:
-        self.code2wav, self.stops = code2wav, set(stop_token_ids)
-        self.codes: list[int] = []
+    def __init__(self, stop_token_ids: list[int]) -> None:
+        self.stops = set(stop_token_ids)
 
-    def on_event(self, ev) -> None:
+    def send(self, ev, talker_worker) -> TalkerCodes | None:
         codes = list(ev.token_ids)
         if ev.finished and ev.finish_reason == "stop" and codes and codes[-1] in self.stops:
             codes = codes[:-1]
-        self.codes.extend(codes)
-        if codes or ev.finished:
-            self.code2wav.add_codes(ev.request_id, codes, ev.finished)
+        if not codes and not ev.finished:
+            return None
+        return TalkerCodes(codes, ev.finished)
+
+    def receive(self, request_id: str, msg: TalkerCodes, code2wav_worker) -> None:
+        code2wav_worker.add_codes(request_id, msg.codes, msg.finished)
 
 
 def talker_sequence(request_id: str, thinker_seq: Sequence, adapter: Qwen2_5OmniThinkerToTalker,
-                    talker: Qwen2_5OmniTalkerForCausalLM, params: SamplingParams,
-                    seed: int) -> Sequence:
-    """The talker request of a thinker request (its prompt rows must be complete)."""
+                    codec_ids: dict[str, int], params: SamplingParams, seed: int) -> Sequence:
+    """The talker request of a thinker request (fed by `adapter`)."""
     P = thinker_seq.num_prompt_tokens
-    c = talker.codec_ids
+    c = codec_ids
     ids = [c["mask"]] * P + [c["pad"], c["start"]]
     if adapter.handoff == "transformers5":
         return Sequence(request_id, ids, params, seed,
