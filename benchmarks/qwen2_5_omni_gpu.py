@@ -4,6 +4,12 @@ and eager), TTFT, talker ms/code, code2wav seconds, and the stage-sum e2e / RTF 
 prompt -> 128 text tokens + 1024 codes. Models are built directly on the device in bf16 (no
 checkpoint on disk). `--tiny` runs the same code on the tiny reference config (CPU smoke test).
 
+`--hf-only` measures transformers instead (benchmarks/hf_omni_gpu.py) on the very same weights:
+each stage module is built from its own fixed seed (SEEDS) in both modes, and the HF mode copies
+ours into transformers' model. It first checks the thinker's logits (JSON "bf16_logits": ours on
+the paged-KV engine vs transformers' forward, teacher-forced), then times one `generate` call
+per batch size (concurrency n = batch n; first audio = the end of generate).
+
 NOTE: e2e here is the sum of the stages run one after another (thinker, then talker, then
 code2wav), an upper bound for the pipeline, which overlaps thinker and talker steps. TTFA is
 e2e for now (code2wav decodes the whole utterance)."""
@@ -11,13 +17,15 @@ e2e for now (code2wav decodes the whole utterance)."""
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
 import dataclasses
+import gc
+import importlib.machinery
 import json
 import os
 import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 
@@ -26,36 +34,26 @@ try:
 except ImportError:  # the GPU machine lacks it; nothing here reads audio files
     sys.modules["soundfile"] = types.ModuleType("soundfile")
     sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # omnistage and benchmarks.*
 
 from omnistage.engine.ar.engine import AREngine  # noqa: E402
 from omnistage.engine.ar.scheduler import EngineConfig  # noqa: E402
 from omnistage.engine.ar.sequence import Sequence  # noqa: E402
-from omnistage.models.qwen2_5_omni.talker import ALWAYS_READY, Qwen2_5OmniTalkerForCausalLM
-from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM  # noqa: E402
+from omnistage.models.qwen2_5_omni.talker import ALWAYS_READY  # noqa: E402
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 
+from benchmarks.hf_omni_gpu import SEEDS, build_stage, id_range, omni_config  # noqa: E402
+
 IM_S, IM_E = 151644, 151645
-
-
-def omni_config(tiny: bool) -> dict:
-    if tiny:
-        with open("/tmp/tiny_omni_ref/config.json") as f:
-            return json.load(f)
-    from transformers import Qwen2_5OmniConfig
-    return Qwen2_5OmniConfig(
-        thinker_config=dict(vision_start_token_id=151652, vision_end_token_id=151653),
-        talker_config=dict(vision_start_token_id=151652, hidden_size=896, num_hidden_layers=24,
-                           num_attention_heads=12, num_key_value_heads=4, head_dim=128,
-                           intermediate_size=18944, embedding_size=3584, vocab_size=8448),
-        token2wav_config=dict(dit_config=dict(num_embeds=8448))).to_dict()
+SPEAKER_BOS = {False: 151872, True: 13}  # the talker's text bos (voice) row: 7B, tiny
 
 
 def prompt_ids(vocab: int, tiny: bool) -> list[int]:
     g = torch.Generator().manual_seed(1)
     if tiny:
-        return torch.randint(20, vocab - 1, (50,), generator=g).tolist()
-    body = torch.randint(1000, 100000, (48,), generator=g).tolist()
+        return torch.randint(*id_range(vocab, tiny), (50,), generator=g).tolist()
+    body = torch.randint(*id_range(vocab, tiny), (48,), generator=g).tolist()
     return ([IM_S, 8948, 198] + body[:8] + [IM_E, 198, IM_S, 872, 198] + body[8:]
             + [IM_E, 198, IM_S, 77091, 198])
 
@@ -65,14 +63,18 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def build(cls, cfg: dict, dev: torch.device, dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # random init straight in the target dtype
-    try:
-        with torch.device(dev):
-            return cls(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
+def speaker_tensors(t2w, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    # (cond [1, enc_emb_dim], ref_mel [1, 300, mel_dim]) fp32, the same in both modes
+    g = torch.Generator().manual_seed(SEEDS["speaker"])
+    spec = t2w.spec
+    return (torch.randn(1, spec.enc_emb_dim, generator=g).to(dev),
+            torch.randn(1, 300, spec.mel_dim, generator=g).to(dev))
+
+
+def free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class RandomRows:
@@ -140,6 +142,12 @@ def main() -> None:
     ap.add_argument("--codes", type=int, default=1024)
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-audio", action="store_true")
+    ap.add_argument("--hf-only", action="store_true", help="measure transformers instead")
+    ap.add_argument("--skip-logits", action="store_true", help="HF mode: no logits check")
+    ap.add_argument("--logits-only", action="store_true", help="HF mode: only the logits check")
+    ap.add_argument("--logit-prompts", type=int, default=4)
+    ap.add_argument("--logit-prompt-len", type=int, default=160)
+    ap.add_argument("--logit-decode-len", type=int, default=48)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -159,11 +167,14 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
 
+    prompt = prompt_ids(cfg["thinker_config"]["text_config"]["vocab_size"], args.tiny)
+    if args.hf_only:
+        run_hf_only(args, cfg, dev, dtype, batches, prompt, res, report)
+        return
     t0 = time.perf_counter()
-    thinker = build(Qwen2_5OmniThinkerForCausalLM, cfg["thinker_config"], dev, dtype)
+    thinker = build_stage("thinker", cfg, dev, dtype)
     sync(dev)
     res["thinker_build_s"] = round(time.perf_counter() - t0, 1)
-    prompt = prompt_ids(thinker.vocab_size, args.tiny)
     ecfg = EngineConfig(max_model_len=2048, max_num_seqs=max(batches),
                         max_num_batched_tokens=4096)
     t_eng = AREngine(thinker, ecfg, dev, dtype, eos_token_ids={IM_E})
@@ -182,13 +193,10 @@ def main() -> None:
     if args.skip_audio:
         return
 
-    talker = build(Qwen2_5OmniTalkerForCausalLM, cfg["talker_config"], dev, dtype)
+    talker = build_stage("talker", cfg, dev, dtype)
     k_eng = AREngine(talker, dataclasses.replace(ecfg, max_num_seqs=max(batches)), dev, dtype)
-    with torch.device(dev):
-        t2w = Qwen2_5OmniToken2Wav(cfg["token2wav_config"]).float().eval()
-    spec = t2w.spec
-    cond = torch.randn(1, spec.enc_emb_dim, device=dev)
-    ref_mel = torch.randn(1, 300, spec.mel_dim, device=dev)
+    t2w = build_stage("token2wav", cfg, dev, dtype)
+    cond, ref_mel = speaker_tensors(t2w, dev)
     res["talker"], res["code2wav"], res["pipeline_stage_sum"] = {}, {}, {}
     for B in [b for b in batches if b <= 8]:
         run_engine(k_eng, talker_seqs(talker, len(prompt), 4, B, f"kw{B}", dev, dtype), dev)
@@ -215,6 +223,63 @@ def main() -> None:
                 "rtf_per_request": round(e2e / (audio_s / B), 4),
                 "rtf_aggregate": round(e2e / audio_s, 4),
                 "audio_s_per_s": round(audio_s / e2e, 2)}
+        report()
+
+
+def _copy(copy_into_hf, hf, ours, name: str, res: dict) -> bool:
+    # timings do not depend on the values: if names ever stop lining up, time transformers' own
+    # random init and say so in the JSON
+    try:
+        copy_into_hf(getattr(hf, name), ours, name)
+        return True
+    except ValueError as e:
+        res.setdefault("weight_copy_errors", {})[name] = str(e)[:500]
+        return False
+
+
+def run_hf_only(args, cfg: dict, dev, dtype, batches: list[int], prompt: list[int], res: dict,
+                report) -> None:
+    """transformers on our seeds' weights: the logits check, then one generate per batch size."""
+    import transformers
+
+    from benchmarks.hf_omni_gpu import (build_hf_model, copy_into_hf, hf_generate_bench,
+                                        hf_warmup, set_speaker, thinker_logit_parity)
+    res.update(mode="transformers", transformers=transformers.__version__,
+               weights=f"omnistage's seeds {SEEDS} copied into transformers")
+    t0 = time.perf_counter()
+    hf = build_hf_model(cfg, dev, dtype)
+    thinker = build_stage("thinker", cfg, dev, dtype)
+    copied = _copy(copy_into_hf, hf, thinker, "thinker", res)
+    sync(dev)
+    res["build_s"] = round(time.perf_counter() - t0, 1)
+    if not args.skip_logits and copied:
+        try:
+            res["bf16_logits"] = dict(dtype=str(dtype), **thinker_logit_parity(
+                thinker, hf.thinker, dev, dtype, id_range(thinker.vocab_size, args.tiny),
+                args.logit_prompts, args.logit_prompt_len, args.logit_decode_len))
+        except Exception as e:  # keep the timings below
+            res["bf16_logits"] = {"error": repr(e)[:500]}
+        report()
+    del thinker
+    free(dev)
+    if args.logits_only:
+        return
+    for name in ("talker", "token2wav"):
+        ours = build_stage(name, cfg, dev, dtype)
+        _copy(copy_into_hf, hf, ours, name, res)
+        if name == "token2wav":
+            set_speaker(hf, SPEAKER_BOS[args.tiny], *speaker_tensors(ours, dev))
+        del ours
+        free(dev)
+    hf_warmup(hf, prompt, dev)
+    res["hf"] = {}
+    for B in batches:
+        try:
+            res["hf"][f"c{B}"] = hf_generate_bench(hf, prompt, B, args.text_tokens, args.codes, dev,
+                                                   text_only=args.skip_audio)
+        except Exception as e:  # e.g. out of memory at a large batch: keep the others
+            res["hf"][f"c{B}"] = {"error": repr(e)[:500]}
+            free(dev)
         report()
 
 
