@@ -1,68 +1,236 @@
-"""Where a batch-1 thinker decode step goes on the GPU: graph replay time (CUDA events) vs the
-whole engine step (host scheduling, input prep, sampling, sync), plus a cProfile of the host
-side. 7B thinker shapes, random bf16 weights. Prints JSON."""
+"""Decode-step cost of the AR engine at Qwen2.5-Omni-7B shapes (random bf16 weights, CUDA
+graphs): thinker greedy ms/token at batch 1/8/32 and talker ms/code at batch 1/8 with the
+talker's sampling params (temperature 0.9, top_k 40, top_p 0.8, repetition penalty 1.05,
+suppressed codec bos, min_tokens holding back the stop codes), each with the device-state
+sampler inside the graphs ("device") and the older host-built sampler ("legacy",
+OMNISTAGE_DEVICE_SAMPLER=0). Per case: step_ms (whole engine step, wall clock), run_ms (CUDA
+events around the graph runner: input fill + replays), replay_ms (the step's graphs replayed
+back to back, GPU only), and whether the first tokens equal the legacy path's.
+Prints one JSON object; a failing case records its error and the others still run.
+
+    python benchmarks/profile_decode.py [--steps 100] [--profile] [--tiny]
+"""
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
 import sys
 import time
+import traceback
+from pathlib import Path
+
+import importlib.machinery
+import types
 
 import torch
 
-sys.path.insert(0, ".")
-from benchmarks.qwen2_5_omni_gpu import build, omni_config, prompt_ids, thinker_seqs  # noqa: E402
+try:
+    import soundfile  # noqa: F401
+except ImportError:  # the GPU machine lacks it; nothing here reads audio files
+    sys.modules["soundfile"] = types.ModuleType("soundfile")
+    sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omnistage.engine.ar.engine import AREngine  # noqa: E402
 from omnistage.engine.ar.scheduler import EngineConfig  # noqa: E402
+from omnistage.engine.ar.sequence import Sequence  # noqa: E402
+from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM  # noqa: E402
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM  # noqa: E402
+from omnistage.sampling_params import SamplingParams  # noqa: E402
+
+WARM = 4  # tokens per sequence before timing (prefill, graph captures)
+
+
+def omni_config(tiny: bool) -> dict:
+    if tiny:
+        with open("/tmp/tiny_omni_ref/config.json") as f:
+            return json.load(f)
+    from transformers import Qwen2_5OmniConfig
+    return Qwen2_5OmniConfig(
+        thinker_config=dict(vision_start_token_id=151652, vision_end_token_id=151653),
+        talker_config=dict(vision_start_token_id=151652, hidden_size=896, num_hidden_layers=24,
+                           num_attention_heads=12, num_key_value_heads=4, head_dim=128,
+                           intermediate_size=18944, embedding_size=3584, vocab_size=8448),
+    ).to_dict()
+
+
+def build(cls, cfg: dict, dev: torch.device, dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # random init straight in the target dtype
+    try:
+        with torch.device(dev):
+            return cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+
+
+class RandomRows:
+    """Stands in for the thinker -> talker rows: seeded random rows, prompt rows replace."""
+
+    def __init__(self, prompt_len: int, width: int, dev, dtype) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.table = (torch.randn(4096, width, generator=g) * 0.02).to(dev, dtype)
+        self.prompt_len = prompt_len
+
+    def ready(self, seq) -> int:
+        return 1 << 40
+
+    def rows(self, seq, start, end):
+        replace = torch.arange(start, end, device=self.table.device) < self.prompt_len
+        return self.table[start:end], replace
+
+
+def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(20, min(vocab, 100000) - 1, (60,), generator=g).tolist()
+    p = SamplingParams(temperature=0, min_tokens=n, max_tokens=n)
+    pos = torch.arange(len(prompt)).expand(3, -1).clone()
+    return [Sequence(f"{tag}-{i}", list(prompt), p, seed=i, mrope_positions=pos)
+            for i in range(B)]
+
+
+def talker_seqs(talker, B: int, n: int, tag: str, dev, dtype) -> list[Sequence]:
+    c, prompt_len = talker.codec_ids, 60
+    ids = [c["mask"]] * prompt_len + [c["pad"], c["start"]]
+    base = talker.default_params()
+    p = SamplingParams(**{**base.__dict__, "min_tokens": n, "max_tokens": n})
+    width = talker.model.embed_tokens.weight.shape[1]
+    return [Sequence(f"{tag}-{i}", ids, p, seed=100 + i,
+                     mrope_positions=torch.arange(len(ids)).expand(3, -1).clone(),
+                     input_source=RandomRows(prompt_len, width, dev, dtype), cacheable=False)
+            for i in range(B)]
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(engine: AREngine, seqs: list[Sequence], steps: int, legacy: bool, dev) -> dict:
+    engine.runner.legacy_sampler = legacy
+    for s in seqs:
+        engine.add_request(s)
+    while min(len(s.output_token_ids) for s in seqs) < WARM:
+        engine.step()
+    graphs = engine.runner.graphs
+    run_ms, keys = [], []
+    if graphs is not None:  # CUDA events around the graph runner; which graphs it replayed
+        real_run = graphs.run
+
+        def timed_run(seqs_, e_rows, a_rows, sampling=None, logits=False):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = real_run(seqs_, e_rows, a_rows, sampling, logits)
+            end.record()
+            end.synchronize()
+            run_ms.append(start.elapsed_time(end))
+            B = graphs.padded_size(len(seqs_))
+            keys.append(((B, any(e is not None for e in e_rows),
+                          any(a is not None for a in a_rows)),
+                         (B, sampling.flags if sampling is not None else None)))
+            return out
+        graphs.run = timed_run
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(dev)
+    res = {"step_ms": round(1e3 * (time.perf_counter() - t0) / steps, 3),
+           "tokens": list(seqs[0].output_token_ids[:32])}
+    if graphs is not None:
+        graphs.run = real_run
+        res["run_ms"] = round(sum(run_ms) / max(1, len(run_ms)), 3)
+        res["graph_steps"] = len(run_ms)
+        if keys:  # the last step's graphs again, GPU time only (K/V rewrites are identical)
+            fwd, head = graphs.graphs[keys[-1][0]], graphs.heads.get(keys[-1][1])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                fwd.graph.replay()
+                if head is not None:
+                    head.graph.replay()
+            end.record()
+            end.synchronize()
+            res["replay_ms"] = round(start.elapsed_time(end) / 20, 3)
+    for s in seqs:
+        engine.abort(s.request_id)
+    return res
+
+
+def section(res: dict, name: str, engine: AREngine, make, batches, steps: int, dev) -> None:
+    for B in batches:
+        for mode in ("legacy", "device"):
+            key = f"{name}_b{B}_{mode}"
+            try:
+                res[key] = measure(engine, make(B, key), steps, mode == "legacy", dev)
+            except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+                res[key] = {"error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc(file=sys.stderr)
+        a, b = res.get(f"{name}_b{B}_legacy", {}), res.get(f"{name}_b{B}_device", {})
+        if "tokens" in a and "tokens" in b:
+            b["tokens_match_legacy"] = a["tokens"] == b["tokens"]
 
 
 def main() -> None:
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    cfg = omni_config(False)["thinker_config"]
-    model = build(Qwen2_5OmniThinkerForCausalLM, cfg, dev, dtype)
-    engine = AREngine(model, EngineConfig(max_model_len=2048, max_num_seqs=8, num_kv_blocks=512),
-                      dev, dtype)
-    prompt = prompt_ids(cfg["text_config"]["vocab_size"], False)
-    seqs = thinker_seqs(prompt, 400, 1, "p")
-    for s in seqs:
-        engine.add_request(s)
-    for _ in range(40):  # prefill, capture, warm up
-        engine.step()
-    graphs = engine.runner.graphs
-    replay_ms = []
-    real_run = graphs.run
-
-    def timed_run(*a, **k):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = real_run(*a, **k)
-        end.record()
-        end.synchronize()
-        replay_ms.append(start.elapsed_time(end))
-        return out
-    graphs.run = timed_run
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n = 100
-    for _ in range(n):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = 1e3 * (time.perf_counter() - t0) / n
-    graphs.run = real_run
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(100):
-        engine.step()
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-    print(s.getvalue()[-6000:], file=sys.stderr)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "step_ms": round(step_ms, 3),
-                      "graph_replay_ms": round(sum(replay_ms) / len(replay_ms), 3)}))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of thinker batch-1 steps")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = omni_config(args.tiny)
+    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                 "steps": args.steps}
+    n = WARM + args.steps + 8  # min_tokens = max_tokens: never stops while measured
+    try:
+        thinker = build(Qwen2_5OmniThinkerForCausalLM, cfg["thinker_config"], dev, dtype)
+        eng = AREngine(thinker, EngineConfig(max_model_len=1024, max_num_seqs=32,
+                                             num_kv_blocks=1024), dev, dtype)
+        vocab = thinker.vocab_size
+        section(res, "thinker", eng, lambda B, tag: thinker_seqs(vocab, B, n, tag), (1, 8, 32),
+                args.steps, dev)
+        if args.profile:
+            seqs = thinker_seqs(vocab, 1, 10 ** 4, "prof")
+            eng.runner.legacy_sampler = False
+            for s in seqs:
+                eng.add_request(s)
+            for _ in range(WARM):
+                eng.step()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.steps):
+                eng.step()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+            print(out.getvalue()[-6000:], file=sys.stderr)
+            eng.abort(seqs[0].request_id)
+        del eng, thinker
+    except Exception as e:  # noqa: BLE001
+        res["thinker_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc(file=sys.stderr)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        talker = build(Qwen2_5OmniTalkerForCausalLM, cfg["talker_config"], dev, dtype)
+        eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=8,
+                                            num_kv_blocks=512), dev, dtype)
+        section(res, "talker", eng, lambda B, tag: talker_seqs(talker, B, n, tag, dev, dtype),
+                (1, 8), args.steps, dev)
+    except Exception as e:  # noqa: BLE001
+        res["talker_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc(file=sys.stderr)
+    for v in res.values():  # keep the JSON short: tokens only served the comparison
+        if isinstance(v, dict):
+            v.pop("tokens", None)
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":

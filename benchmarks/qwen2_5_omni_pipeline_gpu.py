@@ -282,8 +282,13 @@ async def main_async(args, res: dict, save) -> None:
     conc = [int(c) for c in args.concurrency.split(",")]
     t1 = time.perf_counter()
     from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
-    window = Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=args.chunk_blocks)
+    window = Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=args.chunk_blocks,
+                                             first_chunk_blocks=args.first_chunk_blocks)
     res["code2wav_chunk_blocks"] = args.chunk_blocks
+    res["code2wav_first_chunk_blocks"] = args.first_chunk_blocks
+    # read by the code2wav stage's streaming decoder when it is built (also in a worker process)
+    os.environ["OMNISTAGE_CODE2WAV_DIT_DTYPE"] = args.code2wav_dtype
+    res["code2wav_dit_dtype"] = args.code2wav_dtype
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048,
                        max_num_seqs=max(conc), max_num_batched_tokens=max(2048, 64 * max(conc)),
                        code2wav_window=window)
@@ -293,6 +298,10 @@ async def main_async(args, res: dict, save) -> None:
         res["kv_blocks"] = {n: e.runner.num_blocks for n, e in llm.pipeline.engines.items()}
     save()
     t2 = time.perf_counter()
+    stage = getattr(llm.pipeline, "code2wav", None)
+    if args.code2wav_warmup and hasattr(stage, "warmup"):  # capture code2wav's graphs up front
+        stage.warmup()
+        res["code2wav_warmup_s"] = round(time.perf_counter() - t2, 1)
     warm = [int(c) for c in args.warmup.split(",")] if args.warmup else conc
     for c in warm:  # warm-up: torch.compile, Triton, graph capture per batch size
         await run_round(llm, c, 8, 48, seed=1000 + c)
@@ -340,6 +349,12 @@ def main() -> None:
     ap.add_argument("--oneshot-only", action="store_true", help="skip the streaming rounds")
     ap.add_argument("--profile-code2wav", action="store_true")
     ap.add_argument("--chunk-blocks", type=int, default=1, help="DiT blocks per audio chunk")
+    ap.add_argument("--first-chunk-blocks", type=int, default=None,
+                    help="DiT blocks of the first audio chunk (default: --chunk-blocks)")
+    ap.add_argument("--code2wav-dtype", default="float32", choices=["float32", "tf32", "bfloat16"],
+                    help="compute dtype of the streaming code2wav DiT")
+    ap.add_argument("--code2wav-warmup", action="store_true",
+                    help="capture every code2wav CUDA graph before the warm-up rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name() if not args.small else "cpu",

@@ -63,12 +63,13 @@ def test_killed_stage_process_fails_its_requests_and_is_restarted(tiny_omni_dir)
     msg = {"messages": tiny_omni_test_messages()["text_only"]}
 
     async def last(gen, first_hook=None):
-        out = None
-        async for out in gen:
+        outs = []
+        async for o in gen:
+            outs.append(o)
             if first_hook is not None:
                 first_hook()
                 first_hook = None
-        return out
+        return outs[-1]
 
     def kill_talker() -> None:
         os.kill(llm.runtime.remote["talker"].proc.pid, signal.SIGKILL)

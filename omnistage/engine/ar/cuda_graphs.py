@@ -1,22 +1,30 @@
 """Decode steps replayed from CUDA graphs (GPU fast path of the ModelRunner).
 
-A decode-only step of B sequences runs through a graph captured for the smallest captured size
+A decode-only step of B sequences runs through graphs captured for the smallest captured size
 >= B; rows past B are padding that writes its K/V into a dummy block the runner keeps beyond
-the block manager's range. The graph holds the model forward and the logits; sampling stays
-eager on the graph's static logits (exact, and penalties/bans need host-built masks).
+the block manager's range. Two graphs per step, replayed back to back:
+  forward (size, has replacement rows, has additive rows): the model -> hidden, copied into a
+    static buffer outside the graph pool;
+  head (size, SamplingFlags): logits of that hidden, the sampler on the SamplerState's device
+    rows (penalties, bans, warpers, Gumbel draw), forced ids, the counts update -> B ids, then
+    one D2H copy of B ints. Head key (size, None) = logits only (the legacy host sampler).
+Keying heads by the flags keeps sample()'s host branches fixed per graph (same ops as eager).
 
 Static inputs live in one int32 device buffer filled from one pinned host buffer by one
-non_blocking copy per step: [ids M | positions 3M | slots M | seq_lens M | tables M x MB]
-(M = largest size, MB = blocks per sequence at max_model_len). Graphs are captured lazily per
-(size, has replacement rows, has additive rows) and share one memory pool."""
+non_blocking copy per step: [ids M | positions 3M | slots M | seq_lens M | sample slots M |
+steps M | forced ids M | tables M x MB] (M = largest size, MB = blocks per sequence at
+max_model_len). Graphs are captured lazily and share one memory pool: everything read across
+graphs (hidden, ids, sampler state) lives outside it."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
+from omnistage.engine.ar.sampler import SamplerState, StepSampling
 from omnistage.models.interface import ForwardBatch
 
 
@@ -39,22 +47,23 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor,
-                 logits: torch.Tensor) -> None:
-        self.graph, self.hidden, self.logits = graph, hidden, logits
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
+        self.graph, self.out = graph, out
 
 
 class DecodeGraphs:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, block_size: int,
                  dummy_block: int, uses_mrope: bool, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.model, self.device, self.dtype = model, device, dtype
+                 dtype: torch.dtype, sampler: SamplerState | None = None) -> None:
+        self.model, self.device, self.dtype, self.sampler = model, device, dtype, sampler
+        self.scratch_slot = sampler.scratch if sampler is not None else 0
         self.sizes = graph_batch_sizes(max_num_seqs)
         M = self.max_size = self.sizes[-1]
         self.block_size, self.dummy_block, self.uses_mrope = block_size, dummy_block, uses_mrope
         MB = self.max_blocks = -(-max_model_len // block_size)
-        self._off = {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "tables": 6 * M}
-        total = 6 * M + M * MB
+        self._off = {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "sslot": 6 * M,
+                     "step": 7 * M, "force": 8 * M, "tables": 9 * M}
+        total = 9 * M + M * MB
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(total, dtype=torch.int32, device=device)
@@ -65,9 +74,14 @@ class DecodeGraphs:
         self.embeds: torch.Tensor | None = None
         self.embeds_mask = torch.zeros(M, dtype=torch.bool, device=device)
         self.additive: torch.Tensor | None = None
-        self.graphs: dict[tuple[int, bool, bool], _Graph] = {}
+        self.hidden: torch.Tensor | None = None  # [M, D] forward output, outside the pool
+        self.tokens = torch.zeros(M, dtype=torch.long, device=device)  # head output
+        self.tokens_host = torch.zeros(M, dtype=torch.long, pin_memory=True)
+        self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # forward graphs
+        self.heads: dict[tuple, _Graph | None] = {}  # None: capture failed
         self.pool = None
         self.copied = torch.cuda.Event()
+        self.sampled = torch.cuda.Event()
 
     # ---------------------------------------------------------------- host side
     def padded_size(self, n: int) -> int | None:
@@ -82,7 +96,8 @@ class DecodeGraphs:
         return self.host_np[o:o + n]
 
     def _fill_padding(self, start: int) -> None:
-        # rows >= start: token 0 at position 0, one key in the dummy block's slot 0
+        # rows >= start: token 0 at position 0, one key in the dummy block's slot 0, sampled
+        # into the scratch slot
         M, MB, o = self.max_size, self.max_blocks, self._off
         h = self.host_np
         h[o["ids"] + start:o["ids"] + M] = 0
@@ -90,9 +105,12 @@ class DecodeGraphs:
             h[o["pos"] + a * M + start:o["pos"] + (a + 1) * M] = 0
         h[o["slots"] + start:o["slots"] + M] = self.dummy_block * self.block_size
         h[o["lens"] + start:o["lens"] + M] = 1
+        h[o["sslot"] + start:o["sslot"] + M] = self.scratch_slot
+        h[o["step"] + start:o["step"] + M] = 0
+        h[o["force"] + start:o["force"] + M] = -1
         h[o["tables"] + start * MB:o["tables"] + M * MB:MB] = self.dummy_block
 
-    def _fill(self, seqs, B: int) -> int:
+    def _fill(self, seqs, B: int, sampling: StepSampling | None) -> int:
         """Writes the step's ints into the pinned buffer; returns how many ints to copy."""
         self.copied.synchronize()  # the previous step's copy has read the buffer
         M, MB, bs, o = self.max_size, self.max_blocks, self.block_size, self._off
@@ -112,7 +130,12 @@ class DecodeGraphs:
                 pos = i + (seq.rope_delta if self.uses_mrope else 0)
                 for a in range(3):
                     h[o["pos"] + a * M + r] = pos
-        self._fill_padding(len(seqs))
+        n = len(seqs)
+        if sampling is not None:
+            h[o["sslot"]:o["sslot"] + n] = sampling.slots
+            h[o["step"]:o["step"] + n] = sampling.steps
+            h[o["force"]:o["force"] + n] = sampling.force
+        self._fill_padding(n)
         return o["tables"] + B * MB
 
     def _stage_rows(self, embeds_rows, add_rows, B: int, has_e: bool, has_a: bool) -> None:
@@ -145,7 +168,7 @@ class DecodeGraphs:
                 self.additive = torch.zeros(M, a.shape[-1], dtype=self.dtype, device=self.device)
 
     # ---------------------------------------------------------------- device side
-    def _forward(self, B: int, has_e: bool, has_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, B: int, has_e: bool, has_a: bool, warm: bool) -> torch.Tensor:
         M, MB, o = self.max_size, self.max_blocks, self._off
         d = self.dev
         tables = d[o["tables"]:o["tables"] + M * MB].view(M, MB)[:B]
@@ -161,42 +184,104 @@ class DecodeGraphs:
         if has_a:
             fb.additive_embeds = self.additive[:B]
         hidden = self.model(fb)
-        return hidden, self.model.compute_logits(hidden)
+        if not warm:
+            self.hidden[:B].copy_(hidden)
+        return hidden
 
-    def _capture(self, key: tuple[int, bool, bool]) -> _Graph:
-        B, has_e, has_a = key
-        if has_e:
-            self.embeds_mask[:B].zero_()
-        if has_a:
-            self.additive[:B].zero_()
+    def _head(self, B: int, flags, warm: bool) -> torch.Tensor:
+        # flags None: logits [B, V]; else sampled ids into self.tokens[:B]
+        logits = self.model.compute_logits(self.hidden[:B])
+        if flags is None:
+            return logits
+        o, d = self._off, self.dev
+        slots = d[o["sslot"]:o["sslot"] + B].long()
+        steps = d[o["step"]:o["step"] + B].long()
+        force = d[o["force"]:o["force"] + B].long()
+        # warm-up runs must not count their draws
+        ids = self.sampler.sample_rows(logits, slots, steps, force, flags, update=not warm)
+        if not warm:
+            self.tokens[:B].copy_(ids)
+        return ids
+
+    def _capture(self, fn) -> _Graph:
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):  # warm-up: Triton compiles, lazy buffers settle
             for _ in range(2):
-                self._forward(B, has_e, has_a)
+                out = fn(True)
         torch.cuda.current_stream(self.device).wait_stream(s)
+        if self.hidden is None:
+            self.hidden = torch.zeros(self.max_size, out.shape[-1], dtype=out.dtype,
+                                      device=self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            hidden, logits = self._forward(B, has_e, has_a)
-        return _Graph(g, hidden, logits)
+            out = fn(False)
+        return _Graph(g, out)
 
-    def run(self, seqs, embeds_rows, add_rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of len(seqs) sequences -> (hidden [n, D], logits [n, V]) views of the
-        graph's static outputs (valid until the next run)."""
+    def run(self, seqs, embeds_rows, add_rows, sampling: StepSampling | None = None,
+            logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of len(seqs) sequences -> (hidden [n, D], logits [n, V] when
+        `logits`), views of static buffers (valid until the next run). With `sampling`, the
+        head graph samples every row; sampled_tokens() returns the ids."""
         n = len(seqs)
         B = self.padded_size(n)
         has_e = any(e is not None for e in embeds_rows)
         has_a = any(a is not None for a in add_rows)
-        key = (B, has_e, has_a)
         self._ensure_row_buffers(embeds_rows, add_rows)
-        count = self._fill(seqs, B)
+        count = self._fill(seqs, B, sampling)
         self.dev[:count].copy_(self.host[:count], non_blocking=True)
         self.copied.record()
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self.graphs[key] = self._capture(key)
+        key = (B, has_e, has_a)
+        fwd = self.graphs.get(key)
+        if fwd is None:
+            if has_e:  # warm-up rows: not the stale ones of an earlier step
+                self.embeds_mask[:B].zero_()
+            if has_a:
+                self.additive[:B].zero_()
+            fwd = self.graphs[key] = self._capture(lambda warm: self._forward(B, has_e, has_a,
+                                                                              warm))
         self._stage_rows(embeds_rows, add_rows, B, has_e, has_a)
-        graph.graph.replay()
-        return graph.hidden[:n], graph.logits[:n]
+        fwd.graph.replay()
+        out = None
+        if sampling is not None or logits:
+            flags = sampling.flags if sampling is not None else None
+            head = self._get_head(B, flags)
+            if head is None:  # sampler not capturable here: logits graph, eager sampler
+                lg = self._get_head(B, None)
+                lg.graph.replay()
+                self._eager_head(lg.out, B, flags)
+            else:
+                head.graph.replay()
+            if sampling is not None:
+                self.tokens_host[:n].copy_(self.tokens[:n], non_blocking=True)
+                self.sampled.record()
+            else:
+                out = head.out[:n]
+        return self.hidden[:n], out
+
+    def _get_head(self, B: int, flags) -> _Graph | None:
+        key = (B, flags)
+        if key not in self.heads:
+            try:
+                self.heads[key] = self._capture(lambda warm: self._head(B, flags, warm))
+            except RuntimeError as e:  # NOTE: keeps the engine running; the eager sampler is exact
+                if flags is None:
+                    raise
+                warnings.warn(f"sampler graph capture failed ({e}); sampling eagerly",
+                              stacklevel=2)
+                self.heads[key] = None
+        return self.heads[key]
+
+    def _eager_head(self, logits: torch.Tensor, B: int, flags) -> None:
+        o, d = self._off, self.dev
+        ids = self.sampler.sample_rows(logits[:B], d[o["sslot"]:o["sslot"] + B].long(),
+                                       d[o["step"]:o["step"] + B].long(),
+                                       d[o["force"]:o["force"] + B].long(), flags)
+        self.tokens[:B].copy_(ids)
+
+    def sampled_tokens(self, n: int) -> list[int]:
+        """The ids of the last run's n rows (waits for that run)."""
+        self.sampled.synchronize()
+        return self.tokens_host[:n].tolist()

@@ -1,16 +1,19 @@
-"""Owns the model and its paged KV cache; turns a ScheduledBatch into one forward + sampling."""
+"""Owns the model and its paged KV cache; turns a ScheduledBatch into one forward + sampling.
+
+Sampling runs on the SamplerState's device rows (one slot per sampling sequence): eagerly after
+an eager forward, inside the head CUDA graph after a graphed decode. OMNISTAGE_DEVICE_SAMPLER=0
+selects the older host-built SamplingTensors path (same tokens; kept for comparison)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
-from omnistage.engine.ar.sampler import SamplingTensors, sample
+from omnistage.engine.ar.sampler import SamplerState, SamplingTensors, sample
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.interface import ForwardBatch
@@ -33,6 +36,11 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.legacy_sampler = os.environ.get("OMNISTAGE_DEVICE_SAMPLER", "1") == "0"
+        self.sampler: SamplerState | None = None
+        vocab = getattr(model, "vocab_size", None)
+        if isinstance(vocab, int):  # before the KV cache takes the free memory
+            self._sampler_state(vocab)
         self.num_blocks = self._num_blocks()
         use_graphs = graphs_enabled(device)
         layers, n_kv, hd = model.kv_shape
@@ -49,7 +57,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, dummy_block=self.num_blocks,
-            uses_mrope=self.uses_mrope, device=device, dtype=dtype) if use_graphs else None
+            uses_mrope=self.uses_mrope, device=device, dtype=dtype,
+            sampler=self.sampler) if use_graphs else None
+
+    def _sampler_state(self, vocab: int) -> SamplerState:
+        if self.sampler is None:
+            self.sampler = SamplerState(self.config.max_num_seqs, vocab, self.device)
+        elif self.sampler.vocab_size != vocab:
+            raise RuntimeError(f"sampler: logits have {vocab} columns, the model's vocab_size "
+                               f"is {self.sampler.vocab_size}")
+        return self.sampler
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -149,39 +166,59 @@ class ModelRunner:
         self.num_forwards += 1
         samplers = [s for s, n in zip(batch.seqs, batch.num_tokens)
                     if s.num_computed_tokens + n == s.num_tokens]
-        logits = self.model.compute_logits(hidden[sample_rows]) if samplers else None
-        return self._result(batch, hidden, samplers, logits, copy_hidden=False)
+        result = StepResult({}, self._hidden_rows(batch, hidden, copy=False))
+        if samplers:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens = self._sample_eager(samplers, logits)
+            result.sampled = {s.request_id: t for s, t in zip(samplers, tokens)}
+        return result
 
     def _execute_graph(self, batch: ScheduledBatch) -> StepResult:
-        # decode-only: one row per sequence, replayed from the graph of the padded size
-        rows = [_input_rows(s, s.num_computed_tokens, s.num_computed_tokens + 1)
-                for s in batch.seqs]
-        hidden, logits = self.graphs.run(batch.seqs, [r[0] for r in rows], [r[1] for r in rows])
+        # decode-only: one row per sequence, replayed from the graphs of the padded size
+        seqs = batch.seqs
+        rows = [_input_rows(s, s.num_computed_tokens, s.num_computed_tokens + 1) for s in seqs]
+        srows = [r for r, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        legacy = self.legacy_sampler or self.graphs.sampler is None
+        step = self.sampler.prepare(seqs, srows) if srows and not legacy else None
+        hidden, logits = self.graphs.run(seqs, [r[0] for r in rows], [r[1] for r in rows],
+                                         step, logits=bool(srows) and legacy)
         self.num_forwards += 1
-        idx = [r for r, s in enumerate(batch.seqs) if s.num_computed_tokens + 1 == s.num_tokens]
-        samplers = [batch.seqs[r] for r in idx]
-        if samplers and len(idx) < len(batch.seqs):
-            logits = logits[idx]
-        return self._result(batch, hidden, samplers, logits if samplers else None,
-                            copy_hidden=True)
+        # graph outputs are overwritten by the next replay: exported rows are cloned
+        result = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
+        if step is not None:
+            drawn = self.graphs.sampled_tokens(len(seqs))
+            tokens = [drawn[r] for r in srows]
+            self.sampler.commit(step, tokens)
+        elif srows:
+            tokens = self._sample_eager([seqs[r] for r in srows],
+                                        logits[srows] if len(srows) < len(seqs) else logits)
+        else:
+            tokens = []
+        result.sampled = {seqs[r].request_id: t for r, t in zip(srows, tokens)}
+        return result
 
-    def _result(self, batch: ScheduledBatch, hidden: torch.Tensor, samplers: list[Sequence],
-                logits: torch.Tensor | None, copy_hidden: bool) -> StepResult:
-        # hidden: [T, D] flat rows of the batch; logits: [len(samplers), V]
-        result = StepResult({}, {})
-        if samplers:
+    def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
+        # logits: [len(samplers), V] fp32
+        if self.legacy_sampler:
             t = SamplingTensors.build(samplers, logits.shape[-1], self.device)
-            tokens = sample(logits, t).tolist()
-            result.sampled = {s.request_id: tok for s, tok in zip(samplers, tokens)}
-        off = 0
+            return sample(logits, t).tolist()
+        state = self._sampler_state(logits.shape[-1])
+        step = state.prepare(samplers, list(range(len(samplers))))
+        slots, steps, force = state.device_inputs(step)
+        tokens = state.sample_rows(logits, slots, steps, force, step.flags).tolist()
+        state.commit(step, tokens)
+        return tokens
+
+    @staticmethod
+    def _hidden_rows(batch: ScheduledBatch, hidden: torch.Tensor, copy: bool) -> dict:
+        # hidden: [T, D] flat rows of the batch -> request_id -> (first position, rows [n, D])
+        out, off = {}, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.export_hidden:
                 rows = hidden[off:off + n]
-                # graph outputs are overwritten by the next replay
-                result.hidden[seq.request_id] = (seq.num_computed_tokens,
-                                                 rows.clone() if copy_hidden else rows)
+                out[seq.request_id] = (seq.num_computed_tokens, rows.clone() if copy else rows)
             off += n
-        return result
+        return out
 
 
 def _mrope_slice(seq: Sequence, start: int, end: int) -> torch.Tensor:

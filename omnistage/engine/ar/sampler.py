@@ -4,15 +4,23 @@ with vLLM's presence/frequency penalties applied beside the repetition penalty.
 
 NOTE: random draws come from a counter-based hash of (seed, step, token id), not from a
 stateful generator, so a request's tokens depend only on its own seed and position: the same
-in any batch, on any device, and capturable in a CUDA graph (no host state)."""
+in any batch, on any device, and capturable in a CUDA graph (no host state).
+
+SamplerState keeps each running sequence's sampling state on the device, in a slot: its params,
+output-id counts (updated on the device after each draw) and a bit mask of prompt ids, suppressed
+ids and stop ids. A step then sends only slot indices, step counters and forced ids; the
+SamplingTensors it gathers hold the same values SamplingTensors.build makes from the lists."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.ar.sequence import Sequence, SequenceStatus
 
 _MASK32 = 0xFFFFFFFF
 
@@ -156,3 +164,214 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     u = hashed_uniform(t.seed, t.step, logits.shape[-1])
     drawn = (warped - torch.log(-torch.log(u))).argmax(dim=-1)
     return torch.where(t.temperature > 0, drawn, greedy)
+
+
+# ---------------------------------------------------------------- device-resident state
+SEEN, SUPPRESS, STOP = 1, 2, 4  # bits of SamplerState.bits
+_MASK63 = 0x7FFFFFFFFFFFFFFF
+# fparams columns: temperature, top_p, min_p, repetition, presence, frequency
+_GREEDY_F = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+
+
+class SamplingFlags(NamedTuple):
+    """Which branches of sample() a batch needs (host-known; a CUDA graph is captured per value).
+    Skipped branches are exact no-ops for the rows that do not use them."""
+
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    penalties: bool
+    banned: bool
+
+
+@dataclass
+class StepSampling:
+    """One step's per-row sampling inputs (host lists); rows that do not sample use the
+    scratch slot, step 0, force -1."""
+
+    slots: list[int]
+    steps: list[int]  # len(output_token_ids): index of the token being drawn
+    force: list[int]  # forced id, -1 = sample
+    rows: list[int]  # the rows that sample, in order
+    flags: SamplingFlags
+
+
+def _in_range(ids, vocab: int) -> np.ndarray:
+    a = np.asarray(list(ids), dtype=np.int64)
+    return a[(a >= 0) & (a < vocab)]
+
+
+class SamplerState:
+    """Sampling state of up to num_slots sequences on the device (row num_slots is a scratch
+    slot for rows that do not sample). Host side: which sequence owns each slot and what the
+    device rows reflect, so a slot is rebuilt from the lists only when it is new or stale."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        S, V = num_slots, vocab_size
+        self.num_slots, self.vocab_size, self.device = S, V, device
+        self.scratch = S
+        self.counts = torch.zeros(S + 1, V, dtype=torch.float32, device=device)  # output ids
+        self.bits = torch.zeros(S + 1, V, dtype=torch.uint8, device=device)  # SEEN|SUPPRESS|STOP
+        self.fparams = torch.tensor([_GREEDY_F] * (S + 1), dtype=torch.float32, device=device)
+        self.iparams = torch.zeros(S + 1, 3, dtype=torch.long, device=device)  # top_k seed min_t
+        # weak: a finished sequence (and its device tensors) must not live on in a slot
+        self.owner: list[weakref.ref | None] = [None] * S
+        self.owner_id: list[str] = [""] * S
+        self.free = list(range(S - 1, -1, -1))  # pop() -> lowest free slot
+        self.slot_of: dict[str, int] = {}
+        self.synced = [-1] * S  # output length the device rows reflect (-1: stale)
+        self.last = [-1] * S  # last output id they reflect
+        self.made_from: list[tuple] = [()] * S  # (params, stop ids) the rows were built from
+        self.ban_always = [False] * S  # in-range suppressed ids
+        self.ban_early = [False] * S  # in-range stop ids and min_tokens > 0
+        self.min_tokens = [0] * S
+
+    # ---------------------------------------------------------------- host side
+    def prepare(self, seqs: list[Sequence], rows: list[int]) -> StepSampling:
+        """Slots (assigned or rebuilt as needed), steps, forced ids and flags for the rows of
+        `seqs` that sample this step."""
+        n, V = len(seqs), self.vocab_size
+        step = StepSampling([self.scratch] * n, [0] * n, [-1] * n, list(rows),
+                            SamplingFlags(True, False, False, False, False, False))
+        greedy, top_k, top_p, min_p, pen, ban = True, False, False, False, False, False
+        for r in rows:
+            seq = seqs[r]
+            slot = self._slot(seq, seqs)
+            k = len(seq.output_token_ids)
+            self.synced[slot] = -1  # stale until commit() (the device adds the drawn id)
+            step.slots[r], step.steps[r] = slot, k
+            forced = seq.forced_output_ids
+            if forced is not None and k < len(forced) and 0 <= forced[k] < V:
+                step.force[r] = forced[k]
+            p = seq.params
+            greedy &= p.greedy
+            top_k |= p.top_k > 0
+            top_p |= p.top_p < 1
+            min_p |= p.min_p > 0
+            pen |= p.needs_penalties
+            ban |= self.ban_always[slot] or (self.ban_early[slot] and k < self.min_tokens[slot])
+        if greedy:  # sample() returns before the warpers
+            top_k = top_p = min_p = False
+        step.flags = SamplingFlags(greedy, top_k, top_p, min_p, pen, ban)
+        return step
+
+    def commit(self, step: StepSampling, tokens: list[int]) -> None:
+        """tokens: the ids drawn for step.rows (what the engine appends)."""
+        for r, tok in zip(step.rows, tokens):
+            slot = step.slots[r]
+            self.synced[slot], self.last[slot] = step.steps[r] + 1, tok
+
+    def release(self, seq: Sequence) -> None:
+        slot = self.slot_of.get(seq.request_id)
+        if slot is not None and self._owner(slot) is seq:
+            self._free(slot)
+
+    def device_inputs(self, step: StepSampling
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[N] long slots, steps, forced ids (None when nothing is forced), on the device."""
+        t = torch.tensor([step.slots, step.steps, step.force], dtype=torch.long)
+        t = t.to(self.device, non_blocking=True)
+        return t[0], t[1], (t[2] if any(f >= 0 for f in step.force) else None)
+
+    def _slot(self, seq: Sequence, batch: list[Sequence]) -> int:
+        slot = self.slot_of.get(seq.request_id)
+        if slot is None or self._owner(slot) is not seq:
+            slot = self._take(batch)
+            self.owner[slot], self.owner_id[slot] = weakref.ref(seq), seq.request_id
+            self.slot_of[seq.request_id] = slot
+            self._build(slot, seq)
+            return slot
+        out = seq.output_token_ids
+        fresh = (self.synced[slot] == len(out) and (not out or self.last[slot] == out[-1])
+                 and self.made_from[slot][0] is seq.params
+                 and self.made_from[slot][1] is seq.stop_token_ids)
+        if not fresh:  # e.g. outputs changed behind our back: rebuild from the lists
+            self._build(slot, seq)
+        return slot
+
+    def _take(self, batch: list[Sequence]) -> int:
+        if not self.free:  # reclaim slots of sequences no longer running (finished, preempted)
+            busy = {id(s) for s in batch}
+            for slot in range(self.num_slots):
+                o = self._owner(slot)
+                if self.owner[slot] is not None and (
+                        o is None or (o.status != SequenceStatus.RUNNING and id(o) not in busy)):
+                    self._free(slot)
+        if not self.free:
+            raise RuntimeError(f"sampler: more than {self.num_slots} sequences sampling at once")
+        return self.free.pop()
+
+    def _owner(self, slot: int) -> Sequence | None:
+        ref = self.owner[slot]
+        return ref() if ref is not None else None
+
+    def _free(self, slot: int) -> None:
+        rid = self.owner_id[slot]
+        if self.slot_of.get(rid) == slot:
+            del self.slot_of[rid]
+        self.owner[slot], self.synced[slot], self.made_from[slot] = None, -1, ()
+        self.free.append(slot)
+
+    def _build(self, slot: int, seq: Sequence) -> None:
+        # the slot's device rows from the sequence's lists (once per admission or when stale)
+        V, p = self.vocab_size, seq.params
+        row = np.zeros(V, dtype=np.uint8)
+        row[np.clip(np.asarray(seq.prompt_token_ids, dtype=np.int64), 0, V - 1)] |= SEEN
+        supp, stop = _in_range(p.suppress_token_ids, V), _in_range(seq.stop_token_ids, V)
+        row[supp] |= SUPPRESS
+        row[stop] |= STOP
+        self.bits[slot].copy_(torch.from_numpy(row))
+        out = _in_range(seq.output_token_ids, V)
+        if len(out):
+            self.counts[slot].copy_(torch.from_numpy(
+                np.bincount(out, minlength=V).astype(np.float32)))
+        else:
+            self.counts[slot].zero_()
+        self.fparams[slot].copy_(torch.tensor([p.temperature, p.top_p, p.min_p,
+                                               p.repetition_penalty, p.presence_penalty,
+                                               p.frequency_penalty], dtype=torch.float32))
+        self.iparams[slot].copy_(torch.tensor([max(p.top_k, 0), seq.seed & _MASK63,
+                                               p.min_tokens], dtype=torch.long))
+        ids = seq.output_token_ids
+        self.synced[slot], self.last[slot] = len(ids), (ids[-1] if ids else -1)
+        self.made_from[slot] = (p, seq.stop_token_ids)
+        self.ban_always[slot] = len(supp) > 0
+        self.ban_early[slot] = len(stop) > 0 and p.min_tokens > 0
+        self.min_tokens[slot] = p.min_tokens
+
+    # ---------------------------------------------------------------- device side
+    def tensors(self, slots: torch.Tensor, steps: torch.Tensor,
+                flags: SamplingFlags) -> SamplingTensors:
+        """SamplingTensors of rows `slots` [N] long at `steps` [N] long (no host sync)."""
+        fp, ip = self.fparams[slots], self.iparams[slots]
+        t = SamplingTensors(temperature=fp[:, 0], top_k=ip[:, 0], top_p=fp[:, 1],
+                            min_p=fp[:, 2], seed=ip[:, 1], step=steps,
+                            all_greedy=flags.all_greedy, any_top_k=flags.any_top_k,
+                            any_top_p=flags.any_top_p, any_min_p=flags.any_min_p)
+        bits = self.bits[slots] if flags.penalties or flags.banned else None
+        if flags.penalties:
+            counts = self.counts[slots]
+            t.repetition_penalty, t.presence_penalty = fp[:, 3], fp[:, 4]
+            t.frequency_penalty, t.output_counts = fp[:, 5], counts
+            t.seen_mask = ((bits & SEEN) != 0) | (counts > 0)
+        if flags.banned:
+            early = (steps < ip[:, 2])[:, None]
+            t.banned_mask = ((bits & SUPPRESS) != 0) | (((bits & STOP) != 0) & early)
+        return t
+
+    def sample_rows(self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
+                    force: torch.Tensor | None, flags: SamplingFlags,
+                    update: bool = True) -> torch.Tensor:
+        """logits [N, V] fp32 -> ids [N] long (forced ids where force >= 0); then the slots'
+        output counts += the ids. Capturable: no host sync, no host-built tensors."""
+        if logits.shape[-1] != self.vocab_size:
+            raise RuntimeError(f"sampler: logits have {logits.shape[-1]} columns, state has "
+                               f"{self.vocab_size}")
+        tokens = sample(logits, self.tensors(slots, steps, flags))
+        if force is not None:
+            tokens = torch.where(force >= 0, force, tokens)
+        if update:
+            flat = slots * self.vocab_size + tokens
+            self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        return tokens

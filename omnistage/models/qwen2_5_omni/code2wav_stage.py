@@ -3,7 +3,10 @@
 Streaming (the default): each request keeps a sliding-window decoder (code2wav_stream.py); a
 step decodes the next ready chunk of every request together, in one batched DiT pass per ODE
 evaluation, and emits it. One-shot (streaming off): an utterance is decoded whole once its last
-code has arrived, several utterances per batch."""
+code has arrived, several utterances per batch.
+
+Streaming chunks go through `Qwen2_5OmniCode2WavDecoder` (code2wav_graphs.py): fixed-shape
+padded windows, and on CUDA one CUDA graph per (batch bucket, window width) for the whole ODE."""
 
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnistage.models.qwen2_5_omni.code2wav_graphs import Qwen2_5OmniCode2WavDecoder
 from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavStream,
-                                                           Qwen2_5OmniCode2WavStreamConfig,
-                                                           decode_chunks)
+                                                           Qwen2_5OmniCode2WavStreamConfig)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.registry import register_model
 from omnistage.runtime.stage import StageEvent
@@ -36,12 +39,33 @@ class Code2WavRequest:
 
 class Qwen2_5OmniCode2WavStage:
     def __init__(self, name: str, model: Qwen2_5OmniToken2Wav, device: torch.device,
-                 stream_config: Qwen2_5OmniCode2WavStreamConfig | None) -> None:
+                 stream_config: Qwen2_5OmniCode2WavStreamConfig | None,
+                 dit_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None,
+                 warmup: bool = False) -> None:
+        # dit_dtype: the streaming DiT's compute dtype ("float32", "tf32", "bfloat16"; None =
+        # $OMNISTAGE_CODE2WAV_DIT_DTYPE or float32); cuda_graphs: None = on for CUDA unless
+        # OMNISTAGE_CUDA_GRAPHS=0; warmup: capture the stream config's graphs now
         self.name, self.model, self.device = name, model, device
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
+        self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs}
+        self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
+        if warmup:
+            self.warmup()
+
+    @property
+    def decoder(self) -> Qwen2_5OmniCode2WavDecoder:
+        """The streaming decoder, built on first use (it snapshots the DiT's weights)."""
+        if self._decoder is None:
+            self._decoder = Qwen2_5OmniCode2WavDecoder(self.model, **self.decoder_options)
+        return self._decoder
+
+    def warmup(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture the streaming graphs of these batch buckets (default: all) now."""
+        if self.stream_config is not None:
+            self.decoder.warmup(self.stream_config, buckets)
 
     def submit(self, request_id: str, request: Code2WavRequest) -> None:
         if self.stream_config is not None:
@@ -88,9 +112,9 @@ class Qwen2_5OmniCode2WavStage:
         return events
 
     def _stream_step(self, ready: list[tuple[str, Code2WavRequest]]) -> list[StageEvent]:
-        wavs = decode_chunks(self.model, [(r.stream, r.next_chunk) for _, r in ready])
+        chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready])
         events = []
-        for (rid, r), wav in zip(ready, wavs):
+        for (rid, r), wav in zip(ready, (c.waveform for c in chunks)):
             r.next_chunk += 1
             last = r.stream.num_chunks() == r.next_chunk
             if last:
@@ -121,4 +145,5 @@ class Qwen2_5OmniCode2WavStage:
         return {"queue": len(self.requests),
                 "batch_size": self.batch_sizes[-1] if self.batch_sizes else 0,
                 "max_batch_size": max(self.batch_sizes, default=0),
-                "busy_seconds": self.busy_seconds}
+                "busy_seconds": self.busy_seconds,
+                **({} if self._decoder is None else self._decoder.stats())}

@@ -1,9 +1,10 @@
 """Qwen2.5-Omni code2wav streaming: a growing list of codec ids -> waveform chunks.
 
 NOTE: sliding-window decoding, defined by frame positions only (never by when codes arrive).
-With B = dit block_size (24 frames = 12 codes) and C = chunk_blocks * B:
-  - chunk k is the mel frames [k C, (k + 1) C) (clipped to the utterance), k C x 240 samples on;
-  - its DiT window is [k C - past_blocks B, (k + 1) C + future_blocks B), clipped to [0, F);
+With B = dit block_size (24 frames = 12 codes), C = chunk_blocks * B and C0 = first_chunk_blocks
+* B (= C unless set), chunk k starts at frame s_k = 0, C0, C0 + C, C0 + 2 C, ...:
+  - chunk k is the mel frames [s_k, s_k + C_k) (clipped to the utterance), s_k x 240 samples on;
+  - its DiT window is [s_k - past_blocks B, s_k + C_k + future_blocks B), clipped to [0, F);
     the ODE (the one of `generate`) runs on the window alone, with the window's slice of
     `initial_noise(seed, ...)` and absolute positions (rotary angles and attention blocks),
     and only the chunk's frames of its result are kept;
@@ -23,6 +24,8 @@ is ~27 frames each side in the real layout, but its influence falls below 1e-4 o
 16 frames; 20 frames fits inside a 24-frame future block (Qwen's own streaming code uses past 2
 blocks, future 1 block, 20 vocoder frames, with 3-block chunks). Cost per chunk: the DiT runs
 past + chunk + future blocks (4x one-shot's frames at the defaults), BigVGAN chunk + 2 x overlap.
+`first_chunk_blocks=1, chunk_blocks=3` keeps the first chunk's latency (24 codes) and runs the
+DiT on 2x (not 4x) the frames afterwards.
 """
 
 from __future__ import annotations
@@ -45,14 +48,23 @@ class Qwen2_5OmniCode2WavStreamConfig:
     future_blocks: int = 1  # DiT context blocks after it: the latency beyond the chunk
     vocoder_overlap_frames: int = 20  # BigVGAN context mel frames on each side of the chunk
     chunk_blocks: int = 1  # DiT blocks per emitted chunk
+    first_chunk_blocks: int | None = None  # DiT blocks of chunk 0 (None: chunk_blocks)
 
     def __post_init__(self) -> None:
-        for name in ("past_blocks", "future_blocks", "vocoder_overlap_frames", "chunk_blocks"):
+        for name in ("past_blocks", "future_blocks", "vocoder_overlap_frames", "chunk_blocks",
+                     "first_chunk_blocks"):
             value = getattr(self, name)
+            if name == "first_chunk_blocks" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-        if self.chunk_blocks < 1:
-            raise ValueError(f"chunk_blocks: expected an int >= 1, got {self.chunk_blocks}")
+        for name in ("chunk_blocks", "first_chunk_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+
+    @property
+    def first_blocks(self) -> int:
+        return self.chunk_blocks if self.first_chunk_blocks is None else self.first_chunk_blocks
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,7 @@ class Qwen2_5OmniCode2WavStream:
         self.cond, self.ref_mel = model.check_voice(cond, ref_mel)
         self.block = spec.block_size
         self.chunk_frames = self.config.chunk_blocks * spec.block_size
+        self.first_frames = self.config.first_blocks * spec.block_size
         self.max_frames = min(spec.max_position_embeddings, NOISE_MAX_FRAMES)
         self.codes: list[int] = []
         self.finished = False
@@ -126,24 +139,33 @@ class Qwen2_5OmniCode2WavStream:
 
     def num_chunks(self) -> int | None:
         """Chunks of the whole utterance once finished, else None."""
-        return -(-self.num_frames // self.chunk_frames) if self.finished else None
+        if not self.finished:
+            return None
+        rest = self.num_frames - self.first_frames
+        return min(1, self.num_frames) + max(0, -(-rest // self.chunk_frames))
+
+    def chunk_start(self, k: int) -> int:
+        """First frame of chunk k (a function of k and the config alone)."""
+        return 0 if k == 0 else self.first_frames + (k - 1) * self.chunk_frames
 
     def ready_chunks(self) -> int:
         """Chunks 0 .. n-1 can be decoded now: returns n (grows as codes arrive)."""
         if self.finished:
             return self.num_chunks() or 0
-        ahead = self.config.future_blocks * self.block
-        return max(0, (self.num_frames - ahead) // self.chunk_frames)
+        # chunk k is ready once its window's end (its end + the future blocks) has arrived
+        known = self.num_frames - self.config.future_blocks * self.block - self.first_frames
+        return 0 if known < 0 else 1 + known // self.chunk_frames
 
     def span(self, k: int) -> Qwen2_5OmniCode2WavSpan:
         """Frame ranges of chunk k (0 <= k < ready_chunks(), which makes them final)."""
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < self.ready_chunks():
             raise ValueError(f"chunk: {k!r} is not ready (ready_chunks() = {self.ready_chunks()})")
         cfg, total = self.config, self.num_frames
-        start = k * self.chunk_frames
-        end = min(start + self.chunk_frames, total)
+        start = self.chunk_start(k)
+        length = self.first_frames if k == 0 else self.chunk_frames
+        end = min(start + length, total)
         w0 = max(0, start - cfg.past_blocks * self.block)
-        w1 = min(total, start + self.chunk_frames + cfg.future_blocks * self.block)
+        w1 = min(total, start + length + cfg.future_blocks * self.block)
         ov = cfg.vocoder_overlap_frames
         return Qwen2_5OmniCode2WavSpan((start, end), (w0, w1), (max(w0, start - ov),
                                                               min(w1, end + ov)))
@@ -168,6 +190,18 @@ def decode_chunks_with_mel(model: Qwen2_5OmniToken2Wav,
 
     Each result equals that chunk decoded alone (the batch pads and masks). Mutates nothing.
     """
+    check_requests(model, requests)
+    if not requests:
+        return []
+    spans = [s.span(k) for s, k in requests]
+    mels = model.sample_mels([s.window_inputs(k) for s, k in requests], ODE_STEPS,
+                             GUIDANCE_SCALE, SWAY_COEFFICIENT)
+    return assemble_chunks(model, requests, spans, mels, model.vocode(vocoder_inputs(spans, mels)))
+
+
+def check_requests(model: Qwen2_5OmniToken2Wav,
+                   requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]) -> None:
+    """Raise ValueError unless requests is a list of (stream of this model's config, int)."""
     if not isinstance(requests, (list, tuple)):
         raise ValueError("requests: expected a list of (stream, chunk index) pairs")
     for i, req in enumerate(requests):
@@ -176,14 +210,20 @@ def decode_chunks_with_mel(model: Qwen2_5OmniToken2Wav,
             raise ValueError(f"requests[{i}]: expected a (Qwen2_5OmniCode2WavStream, int) pair")
         if req[0].spec != model.spec:
             raise ValueError(f"requests[{i}]: the stream was made for another token2wav config")
-    if not requests:
-        return []
-    spans = [s.span(k) for s, k in requests]
-    mels = model.sample_mels([s.window_inputs(k) for s, k in requests], ODE_STEPS,
-                             GUIDANCE_SCALE, SWAY_COEFFICIENT)
-    voc_in = [mel[sp.vocoder[0] - sp.window[0]:sp.vocoder[1] - sp.window[0]].transpose(0, 1)
-              for mel, sp in zip(mels, spans, strict=True)]
-    wavs = model.vocode(voc_in)
+
+
+def vocoder_inputs(spans: list[Qwen2_5OmniCode2WavSpan], mels: list[torch.Tensor]
+                   ) -> list[torch.Tensor]:
+    """Each window's mel [W_i, M] -> its vocoder span [M, V_i]."""
+    return [mel[sp.vocoder[0] - sp.window[0]:sp.vocoder[1] - sp.window[0]].transpose(0, 1)
+            for mel, sp in zip(mels, spans, strict=True)]
+
+
+def assemble_chunks(model: Qwen2_5OmniToken2Wav,
+                    requests: list[tuple[Qwen2_5OmniCode2WavStream, int]],
+                    spans: list[Qwen2_5OmniCode2WavSpan], mels: list[torch.Tensor],
+                    wavs: list[torch.Tensor]) -> list[Qwen2_5OmniCode2WavChunk]:
+    """Window mels [W_i, M] and vocoder-span waveforms -> the chunks (context trimmed)."""
     hop = model.code2wav_bigvgan_model.hop
     out = []
     for (_, k), sp, mel, wav in zip(requests, spans, mels, wavs, strict=True):

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# -115 dB as a natural-log amplitude floor, rounded to float32 as a float32 exp would give it
+MEL_FLOOR = float(torch.tensor(-115 / 20.0 * math.log(10)).exp())
+
 
 def _kaiser_lowpass(cutoff: float, half_width: float, taps: int) -> torch.Tensor:
     """Kaiser-windowed sinc low-pass filter with unit DC gain: [taps]."""
@@ -117,9 +120,8 @@ class Qwen2_5OmniToken2WavBigVGAN(nn.Module):
     @staticmethod
     def normalize_mel(mel: torch.Tensor) -> torch.Tensor:
         """Natural-log mel -> dB (floor -115 dB, -20 dB offset) -> clamp into [-1, 1]."""
-        floor = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), dtype=mel.dtype,
-                                       device=mel.device))
-        db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=floor)) - 20
+        # a Python float, not a device tensor: no host-to-device copy (CUDA-graph capturable)
+        db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=MEL_FLOOR)) - 20
         return torch.clamp(2 * ((db + 115) / 115) - 1, -1, 1)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:  # [B, mel, F] -> [B, F * hop] in [-1, 1]

@@ -331,20 +331,26 @@ class Qwen2_5OmniToken2WavDiT(nn.Module):
                                      spk.unsqueeze(1).expand(-1, frames, -1)], dim=-1)
                           for enc, code_emb, spk in rows], dim=0)
 
+    def geometry(self, positions: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+        """Rotary cos/sin [B, 1, T, hd/2] and masks by (look_backward, look_ahead) [B, 1, T, T]
+        of positions/valid [B, T]: fixed over the ODE, so `sample` builds them once."""
+        angles = positions[:, None, :, None].float() * self.inv_freq
+        keys = {(layer.look_backward, layer.look_ahead) for layer in self.transformer_blocks}
+        masks = {key: qwen2_5_omni_dit_attention_mask(positions, valid, self.spec.block_size, *key)
+                 for key in keys}
+        return (angles.cos().to(dtype), angles.sin().to(dtype)), masks
+
     def forward(self, x: torch.Tensor, static: torch.Tensor, t: torch.Tensor,
-                positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor, valid: torch.Tensor,
+                geometry: tuple[tuple[torch.Tensor, torch.Tensor], dict] | None = None
+                ) -> torch.Tensor:
         """Velocity field. x [B, T, mel], static [B, T, C], t 0-d, positions/valid [B, T]."""
         temb = self.time_embed(t.reshape(1).to(x.dtype))
         h = self.input_embed(x, static)
-        angles = positions[:, None, :, None].float() * self.inv_freq
-        rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
-        masks: dict[tuple[int, int], torch.Tensor] = {}
+        rope, masks = geometry or self.geometry(positions, valid, x.dtype)
         for layer in self.transformer_blocks:
-            key = (layer.look_backward, layer.look_ahead)
-            if key not in masks:
-                masks[key] = qwen2_5_omni_dit_attention_mask(positions, valid, self.spec.block_size,
-                                                             *key)
-            h = layer(h, temb, rope, masks[key])
+            h = layer(h, temb, rope, masks[(layer.look_backward, layer.look_ahead)])
         return self.proj_out(self.norm_out(h, temb)[0])
 
     def sample(self, noise: torch.Tensor, static: torch.Tensor, positions: torch.Tensor,
@@ -360,11 +366,12 @@ class Qwen2_5OmniToken2WavDiT(nn.Module):
         rows = 2 if use_cfg else 1
         pos2, valid2 = positions.repeat(rows, 1), valid.repeat(rows, 1)
         keep = valid.unsqueeze(-1)
+        geo = self.geometry(pos2, valid2, noise.dtype)
 
         def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if not use_cfg:
-                return self(x, static, t, pos2, valid2).masked_fill(~keep, 0.0)
-            v_cond, v_null = self(torch.cat([x, x]), static, t, pos2, valid2).chunk(2)
+                return self(x, static, t, pos2, valid2, geo).masked_fill(~keep, 0.0)
+            v_cond, v_null = self(torch.cat([x, x]), static, t, pos2, valid2, geo).chunk(2)
             return (v_cond + (v_cond - v_null) * guidance_scale).masked_fill(~keep, 0.0)
 
         grid = torch.linspace(0, 1, num_steps, device=noise.device, dtype=torch.float32)

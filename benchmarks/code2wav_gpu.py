@@ -1,0 +1,269 @@
+"""Streaming code2wav on the GPU at real Qwen2.5-Omni-7B token2wav shapes (random weights).
+
+Measures one streaming chunk step (DiT ODE: 36 evaluations with CFG batch 2, then BigVGAN) for
+  - the module path (`decode_chunks`, eager, the previous implementation),
+  - `Qwen2_5OmniCode2WavDecoder` eager (no graphs) and with CUDA graphs, in float32, tf32 and
+    bfloat16, at batch 1, 8 and 32 (32 = two bucket-16 graphs), for the default schedule (1-block
+    chunks, 96-frame windows) and the 1-then-3-block schedule (144-frame windows);
+and reports ms per step, audio seconds per second, first-chunk latency, graphed-vs-eager
+equality, the mel/waveform SNR of tf32 and bf16 against float32, kernel launches and peak
+memory. Prints one JSON (each section fails alone). Run from the repo root:
+    PYTHONPATH=$PWD python benchmarks/code2wav_gpu.py [--out result.json]
+`--small` runs the same code on the CPU with the tiny test config (float32, no graphs): a smoke
+test of this script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import json
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+try:
+    import soundfile  # noqa: F401
+except ImportError:  # the GPU machine lacks it; nothing here reads audio files
+    sys.modules["soundfile"] = types.ModuleType("soundfile")
+    sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
+
+from omnistage.models.qwen2_5_omni.code2wav_graphs import Qwen2_5OmniCode2WavDecoder  # noqa: E402
+from omnistage.models.qwen2_5_omni.code2wav_stream import (  # noqa: E402
+    Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig, decode_chunks_with_mel)
+from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav  # noqa: E402
+
+SR, HOP, CODES = 24000, 240, 1024
+SCHEDULES = {"default": Qwen2_5OmniCode2WavStreamConfig(),
+             "first1_then3": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=3, first_chunk_blocks=1)}
+
+
+def token2wav_config(small: bool) -> dict:
+    from transformers import Qwen2_5OmniConfig
+    if small:
+        from omnistage.testing.tiny_omni import build_tiny_config, build_tiny_tokenizer
+        cfg = build_tiny_config(build_tiny_tokenizer()).to_dict()["token2wav_config"]
+        cfg["dit_config"]["num_embeds"] = 8448
+        return cfg
+    cfg = Qwen2_5OmniConfig(token2wav_config=dict(dit_config=dict(num_embeds=8448)))
+    return cfg.to_dict()["token2wav_config"]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> float:
+    """Median ms of fn over reps calls (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t))
+    return round(sorted(times)[len(times) // 2], 2)
+
+
+def snr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    err = (x.float() - ref.float()).pow(2).sum()
+    return round(float(10 * torch.log10(ref.float().pow(2).sum() / err.clamp(min=1e-30))), 1)
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args, self.t0 = args, time.perf_counter()
+        self.small = args.small
+        dev = torch.device("cpu" if self.small else "cuda")
+        self.dev = dev
+        self.res: dict = {"device": "cpu" if self.small else torch.cuda.get_device_name(),
+                          "torch": torch.__version__, "sections_failed": []}
+        torch.manual_seed(0)
+        with torch.device(dev):
+            self.model = Qwen2_5OmniToken2Wav(token2wav_config(self.small)).float().eval()
+        spec = self.model.spec
+        self.res["params_M"] = {
+            n: round(sum(p.numel() for p in getattr(self.model, n).parameters()) / 1e6, 1)
+            for n in ("code2wav_dit_model", "code2wav_bigvgan_model")}
+        g = torch.Generator().manual_seed(0)
+        self.voices = [(torch.randn(spec.enc_emb_dim, generator=g).to(dev),
+                        torch.randn(300, spec.mel_dim, generator=g).to(dev)) for _ in range(8)]
+        self.codes = [torch.randint(0, 8000, (CODES,), generator=g).tolist() for _ in range(32)]
+        self.decoders: dict = {}
+
+    def streams(self, n: int, config, offset: int = 0) -> list[Qwen2_5OmniCode2WavStream]:
+        out = []
+        for i in range(offset, offset + n):
+            cond, ref = self.voices[i % len(self.voices)]
+            s = Qwen2_5OmniCode2WavStream(self.model, cond, ref, i, config)
+            s.add_codes(self.codes[i % len(self.codes)], finished=True)
+            out.append(s)
+        return out
+
+    def decoder(self, dtype: str, graphs: bool) -> Qwen2_5OmniCode2WavDecoder:
+        if self.small:  # CPU: float32 without graphs only
+            dtype, graphs = "float32", False
+        key = (dtype, graphs)
+        if key not in self.decoders:
+            self.decoders[key] = Qwen2_5OmniCode2WavDecoder(self.model, dit_dtype=dtype,
+                                                            cuda_graphs=graphs)
+        return self.decoders[key]
+
+    def section(self, name: str, fn) -> None:
+        if time.perf_counter() - self.t0 > self.args.deadline_s:
+            self.res[name] = "skipped: out of time"
+            return
+        t = time.perf_counter()
+        if not self.small:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            out = fn()
+            out["section_s"] = round(time.perf_counter() - t, 1)
+            if not self.small:
+                out["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            self.res[name] = out
+        except Exception as exc:  # noqa: BLE001 - one failing section must not lose the others
+            self.res[name] = {"error": f"{type(exc).__name__}: {exc}",
+                              "trace": traceback.format_exc()[-1500:]}
+            self.res["sections_failed"].append(name)
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: {json.dumps(self.res[name])}",
+              flush=True)
+        if self.args.out:
+            Path(self.args.out).write_text(json.dumps(self.res, indent=1) + "\n")
+
+    # ------------------------------------------------------------------ sections
+    def module_path(self) -> dict:
+        """The previous implementation: decode_chunks_with_mel (eager, launch-bound)."""
+        out = {}
+        for bs in (1, 8):
+            reqs = [(s, 40) for s in self.streams(bs, SCHEDULES["default"])]
+            ms = timed(lambda r=reqs: decode_chunks_with_mel(self.model, r), 2 if bs == 1 else 1)
+            out[f"bs{bs}_ms"] = ms
+            out[f"bs{bs}_audio_s_per_s"] = round(bs * 24 * HOP / SR / (ms / 1e3), 2)
+        out["launches_bs1"] = self.launches(
+            lambda: decode_chunks_with_mel(self.model, [(self.streams(1, SCHEDULES["default"])[0],
+                                                         40)]))
+        return out
+
+    def launches(self, fn) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        acts = [ProfilerActivity.CPU] + ([] if self.small else [ProfilerActivity.CUDA])
+        with profile(activities=acts) as prof:
+            fn()
+            sync()
+        ev = {e.key: e.count for e in prof.key_averages()}
+        keys = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+        return {k: ev[k] for k in keys if k in ev} or {"aten_ops": sum(
+            n for k, n in ev.items() if k.startswith("aten::"))}
+
+    def steps(self, dtype: str, graphs: bool, schedule: str, batches=(1, 8, 32)) -> dict:
+        config, dec = SCHEDULES[schedule], self.decoder(dtype, graphs)
+        reps = 1 if self.small else 10
+        batches = (1, 2) if self.small else batches
+        chunk = config.chunk_blocks * self.model.spec.block_size
+        k = 40 if schedule == "default" else 14  # a middle chunk: full window, full vocoder span
+        out: dict = {}
+        for bs in batches:
+            reqs = [(s, k) for s in self.streams(bs, config)]
+            t = time.perf_counter()
+            dec.decode(reqs)  # first call: captures the graphs of this shape
+            sync()
+            out[f"bs{bs}_first_call_ms"] = round(1e3 * (time.perf_counter() - t), 1)
+            ms = timed(lambda r=reqs: dec.decode(r), reps if bs == 1 else max(1, reps // 2))
+            out[f"bs{bs}_ms"] = ms
+            out[f"bs{bs}_audio_s_per_s"] = round(bs * chunk * HOP / SR / (ms / 1e3), 2)
+            out[f"bs{bs}_rtf"] = round((ms / 1e3) / (chunk * HOP / SR), 4)
+        # first-chunk latency: chunk 0 of a new stream (speaker encoder + noise draw included)
+        fresh = iter(range(100, 200))
+        dec.decode([(self.streams(1, config, next(fresh))[0], 0)])  # capture chunk 0's shapes
+        firsts = []
+        for _ in range(min(5, reps)):
+            s = self.streams(1, config, next(fresh))[0]
+            sync()
+            t = time.perf_counter()
+            dec.decode([(s, 0)])
+            sync()
+            firsts.append(1e3 * (time.perf_counter() - t))
+        out["first_chunk_ms"] = round(sorted(firsts)[len(firsts) // 2], 2)
+        out["launches_bs1"] = self.launches(
+            lambda: dec.decode([(self.streams(1, config)[0], k)]))
+        out["graphs"] = dec.stats()
+        return out
+
+    def accuracy(self) -> dict:
+        """Graphed vs eager (float32), fast vs module path, tf32 and bf16 vs float32 (SNR)."""
+        config = SCHEDULES["default"]
+        reqs = [(s, k) for s, k in zip(self.streams(8, config), (0, 1, 2, 40, 41, 60, 84, 85))]
+        # chunks 0-1 clipped at frame 0, 85 (the last: 8 frames) at the utterance's end
+        ref = self.decoder("float32", False).decode(reqs)
+        out: dict = {}
+        module = decode_chunks_with_mel(self.model, reqs[:2])
+        out["fast_eager_vs_module_max_abs"] = {
+            "mel": float(max((a.mel - b.mel).abs().max() for a, b in zip(ref, module))),
+            "wave": float(max((a.waveform - b.waveform).abs().max() for a, b in zip(ref, module)))}
+        for dtype in ("float32", "tf32", "bfloat16"):
+            got = self.decoder(dtype, True).decode(reqs)
+            mel_ref = torch.cat([c.mel for c in ref], 1)
+            wav_ref = torch.cat([c.waveform for c in ref])
+            mel, wav = torch.cat([c.mel for c in got], 1), torch.cat([c.waveform for c in got])
+            out[f"{dtype}_graph_vs_fp32_eager"] = {
+                "mel_max_abs": float((mel - mel_ref).abs().max()),
+                "wave_max_abs": float((wav - wav_ref).abs().max()),
+                "mel_snr_db": snr_db(mel, mel_ref), "wave_snr_db": snr_db(wav, wav_ref),
+                "wave_snr_db_worst_chunk": min(snr_db(a.waveform, b.waveform)
+                                               for a, b in zip(got, ref))}
+        out["ref_mel_rms"] = round(float(mel_ref.pow(2).mean().sqrt()), 3)
+        out["ref_wave_rms"] = round(float(wav_ref.pow(2).mean().sqrt()), 4)
+        out["ref_wave_clipped_frac"] = round(float((wav_ref.abs() > 0.999).float().mean()), 4)
+        # the streaming approximation itself, for scale: default windows vs one-shot generate
+        n = 120
+        s = self.streams(1, config)[0]
+        codes = torch.tensor(s.codes[:n], device=self.dev)
+        noise = Qwen2_5OmniToken2Wav.initial_noise(s.seed, 2 * n).to(self.dev)
+        mels, wavs = self.model.generate([codes], [s.cond], [s.ref_mel], [noise])
+        short = Qwen2_5OmniCode2WavStream(self.model, s.cond, s.ref_mel, s.seed, config)
+        short.add_codes(s.codes[:n], finished=True)
+        chunks = self.decoder("float32", True).decode(
+            [(short, k) for k in range(short.num_chunks())])
+        out["streaming_vs_oneshot_fp32"] = {
+            "mel_snr_db": snr_db(torch.cat([c.mel for c in chunks], 1), mels[0]),
+            "wave_snr_db": snr_db(torch.cat([c.waveform for c in chunks]), wavs[0])}
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--small", action="store_true", help="CPU smoke test on the tiny config")
+    ap.add_argument("--deadline-s", type=float, default=200.0,
+                    help="start no further section after this many seconds")
+    args = ap.parse_args()
+    if not args.small and not torch.cuda.is_available():
+        raise SystemExit("code2wav_gpu.py: needs a CUDA device")
+    b = Bench(args)
+    b.section("module_path_fp32", b.module_path)
+    b.section("accuracy", b.accuracy)
+    b.section("fast_eager_fp32", lambda: b.steps("float32", False, "default", (1,)))
+    for dtype in ("bfloat16", "float32", "tf32"):
+        b.section(f"graph_{dtype}_default", lambda d=dtype: b.steps(d, True, "default"))
+    for dtype in ("bfloat16", "float32"):
+        b.section(f"graph_{dtype}_first1_then3",
+                  lambda d=dtype: b.steps(d, True, "first1_then3"))
+    b.res["total_s"] = round(time.perf_counter() - b.t0, 1)
+    b.res["peak_mem_GiB_max_section"] = max(
+        (v["peak_mem_GiB"] for v in b.res.values() if isinstance(v, dict) and "peak_mem_GiB" in v),
+        default=None)
+    if args.out:
+        Path(args.out).write_text(json.dumps(b.res, indent=1) + "\n")
+    print(json.dumps(b.res, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

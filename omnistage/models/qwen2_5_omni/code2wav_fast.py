@@ -1,0 +1,196 @@
+"""Qwen2.5-Omni code2wav: the DiT's whole ODE as one fixed-shape function (CUDA-graph capturable).
+
+`Qwen2_5OmniFastDiT.sample` integrates the flow for a padded batch of frame windows with the
+arithmetic of `Qwen2_5OmniToken2WavDiT.sample`, but with everything that does not depend on the
+ODE state hoisted out of the 36 evaluations:
+  - the time embedding and every layer's AdaLN modulation depend only on t, and the time grid is
+    fixed, so they form a table [evals, layers, 6, D] computed once here (no per-evaluation GEMV
+    over the 22 x 1024 x 6144 modulation weights);
+  - the input projection is split into a mel part (per evaluation) and a static part (codes,
+    speaker, cond: once per window); rotary angles and attention masks are built once per window;
+  - q, k and v are one GEMM.
+It reads its inputs only from tensors and does no host synchronisation, so one call can be
+captured in a CUDA graph. The ODE state stays float32 whatever the DiT's compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .token2wav_dit import Qwen2_5OmniToken2WavDiT, qwen2_5_omni_dit_attention_mask
+
+DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ode_times(num_steps: int, sway_coefficient: float | None) -> tuple[list[float], list[float]]:
+    """(evaluation times [4 (num_steps - 1)], interval widths [num_steps - 1]) as float32 values.
+
+    NOTE: computed with the same float32 tensor ops as `Qwen2_5OmniToken2WavDiT.sample` (RK4 3/8
+    rule: t0, t0 + h/3, t0 + 2h/3, t1 per interval), so the times are bit-identical to it.
+    """
+    grid = torch.linspace(0, 1, num_steps, dtype=torch.float32)
+    if sway_coefficient is not None:
+        grid = grid + sway_coefficient * (torch.cos(torch.pi / 2 * grid) - 1 + grid)
+    times, widths = [], []
+    for t0, t1 in zip(grid[:-1], grid[1:], strict=True):
+        h = t1 - t0
+        times += [float(t0), float(t0 + h * (1 / 3)), float(t0 + h * (2 / 3)), float(t1)]
+        widths.append(float(h))
+    return times, widths
+
+
+class Qwen2_5OmniFastDiT:
+    """Prepared DiT weights + time table for one ODE schedule and one compute dtype.
+
+    NOTE: a snapshot of the weights at construction (fp32 tensors other than q/k/v are shared
+    with the module, not copied); build it after loading the checkpoint.
+    """
+
+    @torch.no_grad()
+    def __init__(self, dit: Qwen2_5OmniToken2WavDiT, dtype: torch.dtype = torch.float32,
+                 num_steps: int = 10, guidance_scale: float = 0.5,
+                 sway_coefficient: float | None = -1.0) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dit_dtype: float32, bfloat16 or float16, got {dtype}")
+        if int(num_steps) < 2:
+            raise ValueError(f"num_steps: must be >= 2, got {num_steps}")
+        spec, self.dtype = dit.spec, dtype
+        self.spec, self.guidance = spec, float(guidance_scale)
+        self.use_cfg = self.guidance >= 1e-5
+        self.times, self.widths = ode_times(int(num_steps), sway_coefficient)
+        p = next(dit.parameters())
+        self.device, mdt = p.device, p.dtype
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(dtype).contiguous()
+
+        # time table: every layer's modulation at every evaluation time, (1 + scale) pre-added
+        t = torch.tensor(self.times, device=self.device, dtype=mdt)
+        temb = F.silu(dit.time_embed(t))  # [E, D]
+        self.mods, self.layers = [], []
+        for layer in dit.transformer_blocks:
+            m = layer.attn_norm.linear(temb).view(len(self.times), 6, -1)
+            m = torch.stack([m[:, 0], 1 + m[:, 1], m[:, 2], m[:, 3], 1 + m[:, 4], m[:, 5]], 1)
+            self.mods.append(cast(m))  # [E, 6, D]: shift, 1+scale, gate, shift, 1+scale, gate
+            a, ff = layer.attn, layer.ff.ff
+            self.layers.append((
+                cast(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight])),
+                cast(torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias])),
+                cast(a.to_out[0].weight), cast(a.to_out[0].bias), cast(ff[0].weight),
+                cast(ff[0].bias), cast(ff[3].weight), cast(ff[3].bias),
+                (layer.look_backward, layer.look_ahead)))
+        m = dit.norm_out.linear(temb).view(len(self.times), 2, -1)
+        self.out_mods = cast(torch.stack([1 + m[:, 0], m[:, 1]], 1))  # [E, 2, D]: 1+scale, shift
+        self.proj_out = (cast(dit.proj_out.weight), cast(dit.proj_out.bias))
+        w = dit.input_embed.proj.weight
+        self.w_in_x = cast(w[:, :spec.mel_dim])
+        # the static part stays in the model's dtype: it runs once per window
+        self.w_in_static = w[:, spec.mel_dim:].detach().contiguous()
+        self.b_in = dit.input_embed.proj.bias.detach()
+        self.codec_embed = dit.text_embed.codec_embed.weight.detach()
+        self.inv_freq = dit.inv_freq
+        self.heads, self.head_dim = spec.num_attention_heads, spec.head_dim
+
+    def static_projection(self, codes: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor
+                          ) -> torch.Tensor:
+        """The input projection's static part + bias: [R * rows, W, D] in the compute dtype.
+
+        codes [R, W / repeats] long; spk [R, 2, enc_dim] (speaker encoder on ref_mel, on zeros);
+        cond [R, enc_emb_dim]. Rows: conditioned (all R), then unconditioned with CFG.
+        """
+        r, w = codes.shape[0], codes.shape[1] * self.spec.repeats
+        emb = F.embedding(codes, self.codec_embed).repeat_interleave(self.spec.repeats, dim=1)
+        enc, cnd = spk[:, 0], cond
+        if self.use_cfg:  # the null row: codes 0, speaker encoding of zeros, cond 0
+            emb = torch.cat([emb, self.codec_embed[0].expand(r, w, -1)])
+            enc, cnd = torch.cat([enc, spk[:, 1]]), torch.cat([cond, torch.zeros_like(cond)])
+        static = torch.cat([enc[:, None].expand(-1, w, -1), emb, cnd[:, None].expand(-1, w, -1)],
+                           dim=-1)
+        return F.linear(static, self.w_in_static, self.b_in).to(self.dtype)
+
+    def window_geometry(self, start: torch.Tensor, nvalid: torch.Tensor, width: int
+                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], dict, torch.Tensor]:
+        """start/nvalid [R] long -> (rope cos/sin [rows R, 1, W, hd/2], additive masks by
+        (look_backward, look_ahead) [rows R, 1, W, W], valid [R, W])."""
+        rows = 2 if self.use_cfg else 1
+        pos = start[:, None] + torch.arange(width, device=start.device)
+        valid = torch.arange(width, device=start.device) < nvalid[:, None]
+        pos2, valid2 = pos.repeat(rows, 1), valid.repeat(rows, 1)
+        angles = pos2[:, None, :, None].float() * self.inv_freq
+        rope = (angles.cos().to(self.dtype), angles.sin().to(self.dtype))
+        masks = {}
+        for *_, key in self.layers:
+            if key not in masks:
+                allowed = qwen2_5_omni_dit_attention_mask(pos2, valid2, self.spec.block_size, *key)
+                # rows padded to 16 elements: the fused attention kernels want aligned strides
+                m = torch.zeros(*allowed.shape[:-1], -(-width // 16) * 16, device=start.device,
+                                dtype=self.dtype)[..., :width]
+                masks[key] = m.masked_fill_(~allowed, float("-inf"))
+        return rope, masks, valid
+
+    def velocity(self, x: torch.Tensor, e: int, static: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], masks: dict) -> torch.Tensor:
+        """The DiT at evaluation e: x [B, W, mel] (compute dtype) -> velocity [B, W, mel]."""
+        b, w, _ = x.shape
+        hh, hd = self.heads, self.head_dim
+        h = torch.addmm(static.reshape(b * w, -1), x.reshape(b * w, -1), self.w_in_x.t())
+        h = h.view(b, w, -1)
+        cos, sin = rope
+        for mods, (wqkv, bqkv, wo, bo, w1, b1, w2, b2, key) in zip(
+                self.mods, self.layers, strict=True):
+            shift, scale, gate, shift2, scale2, gate2 = mods[e]
+            n = torch.addcmul(shift, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale)
+            qkv = F.linear(n, wqkv, bqkv).view(b, w, 3, hh, hd).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            # rotary on the first head only, output in (evens, odds) order (as the module does)
+            q = torch.cat([_rope_head(q[:, :1], cos, sin), q[:, 1:]], dim=1)
+            k = torch.cat([_rope_head(k[:, :1], cos, sin), k[:, 1:]], dim=1)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[key])
+            att = F.linear(att.transpose(1, 2).reshape(b, w, -1), wo, bo)
+            h = torch.addcmul(h, gate, att)
+            n = torch.addcmul(shift2, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale2)
+            h = torch.addcmul(h, gate2, F.linear(F.gelu(F.linear(n, w1, b1), approximate="tanh"),
+                                                 w2, b2))
+        scale, shift = self.out_mods[e]
+        return F.linear(torch.addcmul(shift, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale),
+                        *self.proj_out)
+
+    def sample(self, noise: torch.Tensor, codes: torch.Tensor, spk: torch.Tensor,
+               cond: torch.Tensor, start: torch.Tensor, nvalid: torch.Tensor) -> torch.Tensor:
+        """The whole ODE for R padded windows: -> mel [R, W, mel] float32 (padding zeroed).
+
+        noise [R, W, mel] float32; codes [R, W / repeats] long; spk [R, 2, enc_dim];
+        cond [R, enc_emb_dim]; start [R] long (absolute frame of index 0); nvalid [R] long
+        (frames [0, nvalid) are real). Row r equals its window decoded alone, unpadded.
+        """
+        width = noise.shape[1]
+        static = self.static_projection(codes, spk, cond)
+        rope, masks, valid = self.window_geometry(start, nvalid, width)
+        keep = valid.unsqueeze(-1)
+        g = self.guidance
+        e = iter(range(len(self.times)))
+
+        def vel(x: torch.Tensor) -> torch.Tensor:
+            xc = x.to(self.dtype)
+            v = self.velocity(torch.cat([xc, xc]) if self.use_cfg else xc, next(e), static, rope,
+                              masks).float()
+            if self.use_cfg:
+                v_cond, v_null = v.chunk(2)
+                v = v_cond + (v_cond - v_null) * g
+            return v.masked_fill(~keep, 0.0)
+
+        x, third = noise.masked_fill(~keep, 0.0), 1 / 3
+        for h in self.widths:  # the reference's arithmetic, operand order included
+            k1 = vel(x)
+            k2 = vel(x + k1 * h * third)
+            k3 = vel(x + h * (k2 - k1 * third))
+            k4 = vel(x + h * (k1 - k2 + k3))
+            x = x + (k1 + 3 * (k2 + k3) + k4) * h / 8
+        return x
+
+
+def _rope_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, 1, T, D], (even, odd) pairs rotated; cos/sin [B, 1, T, D/2] -> (evens, odds) order
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)

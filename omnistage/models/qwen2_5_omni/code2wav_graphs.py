@@ -1,0 +1,326 @@
+"""Qwen2.5-Omni streaming code2wav at fixed shapes: padded windows, batch buckets, CUDA graphs.
+
+`Qwen2_5OmniCode2WavDecoder.decode` gives the chunks of `decode_chunks_with_mel`, computed as:
+  - DiT: each chunk's window is padded at its end to a fixed width (chunk 0's window width, or
+    the full window, (past + chunk + future) blocks) and the batch to a bucket size; positions
+    stay absolute and padded frames are masked out of attention (the DiT's only cross-frame op),
+    so a padded row equals its window decoded alone. Edge chunks (windows clipped at frame 0 or
+    at the utterance's end) are padded the same way: every chunk runs in a fixed shape. On CUDA
+    the whole ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is one
+    CUDA graph, captured lazily into a shared memory pool.
+  - BigVGAN: its convs pad at the sequence's ends, so padding would change the result. Spans of
+    the standard length (chunk + both overlaps) and chunk 0's span run as graphs per (bucket,
+    length); other spans (the utterance's last chunk, tiny utterances) run eagerly.
+On the CPU the same padding code runs, with no graphs (batch padding only when asked).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from .code2wav_fast import DTYPES, Qwen2_5OmniFastDiT
+from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
+                              Qwen2_5OmniCode2WavChunk, Qwen2_5OmniCode2WavSpan,
+                              Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig,
+                              assemble_chunks, check_requests)
+from .token2wav import Qwen2_5OmniToken2Wav
+
+BUCKETS = (1, 2, 4, 8, 16)
+MAX_GRAPH_FRAMES = 384  # windows wider than this (e.g. whole-utterance windows) are not padded
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (n <= max(buckets))."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"batch: {n} rows exceed the largest bucket {max(buckets)}")
+
+
+def window_widths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
+    """The fixed DiT widths (frames): chunk 0's unclipped window, then the full window."""
+    full = (config.past_blocks + max(config.chunk_blocks, config.first_blocks)
+            + config.future_blocks) * block
+    first = (config.first_blocks + config.future_blocks) * block
+    return tuple(sorted({first, full}))
+
+
+def vocoder_lengths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
+    """The BigVGAN span lengths run as graphs: a later chunk's and chunk 0's (unclipped)."""
+    ov_past = min(config.vocoder_overlap_frames, config.past_blocks * block)
+    ov_future = min(config.vocoder_overlap_frames, config.future_blocks * block)
+    return tuple(sorted({ov_past + config.chunk_blocks * block + ov_future,
+                         config.first_blocks * block + ov_future}))
+
+
+@contextmanager
+def _matmul_tf32(on: bool):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on or old
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class _Graph:
+    """One captured callable with its static input buffers and output."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.inputs, self.graph, self.output = inputs, None, None
+
+
+class Qwen2_5OmniCode2WavDecoder:
+    """Batched chunk decoder of streams (see the module docstring). Not thread-safe.
+
+    dit_dtype: "float32" (default; equals the module path), "tf32" (float32 weights, TF32
+    matmuls) or "bfloat16" (a bf16 copy of the DiT's GEMM weights; the ODE state stays fp32).
+    cuda_graphs: None = on for CUDA unless OMNISTAGE_CUDA_GRAPHS=0. pad_batch: None = with graphs.
+    """
+
+    def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,
+                 cuda_graphs: bool | None = None, buckets: tuple[int, ...] = BUCKETS,
+                 pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES) -> None:
+        p = next(model.parameters())
+        self.model, self.device = model, p.device
+        dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
+        names = {v: k for k, v in DTYPES.items() if k != "tf32"}
+        self.dtype_name = names.get(dit_dtype, dit_dtype) if isinstance(
+            dit_dtype, torch.dtype) else str(dit_dtype)
+        if self.dtype_name not in DTYPES:
+            raise ValueError(f"dit_dtype: one of {sorted(DTYPES)}, got {dit_dtype!r}")
+        if self.dtype_name != "float32" and self.device.type != "cuda":
+            raise ValueError(f"dit_dtype: {self.dtype_name} needs a CUDA model")
+        if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+            raise ValueError(f"buckets: increasing positive ints, got {buckets!r}")
+        if cuda_graphs is None:
+            cuda_graphs = (self.device.type == "cuda"
+                           and os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1") != "0")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs: needs a CUDA model")
+        self.use_graphs, self.buckets = bool(cuda_graphs), tuple(buckets)
+        self.pad_batch = self.use_graphs if pad_batch is None else bool(pad_batch)
+        self.max_graph_frames = int(max_graph_frames)
+        self.fast = Qwen2_5OmniFastDiT(model.code2wav_dit_model, DTYPES[self.dtype_name],
+                                       ODE_STEPS, GUIDANCE_SCALE, SWAY_COEFFICIENT)
+        self.tf32 = self.dtype_name == "tf32"
+        self.spec, self.block = model.spec, model.spec.block_size
+        self.speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.dit_graphs: dict[tuple[int, int], _Graph] = {}
+        self.voc_graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_seconds = 0.0
+
+    # ------------------------------------------------------------------ host-side planning
+    def plan(self, widths_needed: list[int], config: Qwen2_5OmniCode2WavStreamConfig
+             ) -> list[tuple[list[int], int, int]]:
+        """Rows (by their window widths) -> batches [(row indices, bucket, width)].
+
+        Rows are cut into runs of at most max(buckets); a run's width is the smallest fixed
+        width that holds its widest window, or that window rounded up to a block when the
+        fixed widths are over max_graph_frames (no padding to a huge window then).
+        """
+        fixed = [w for w in window_widths(config, self.block) if w <= self.max_graph_frames]
+        out, top = [], self.buckets[-1]
+        for i in range(0, len(widths_needed), top):
+            idx = list(range(i, min(i + top, len(widths_needed))))
+            need = max(widths_needed[j] for j in idx)
+            width = next((w for w in fixed if w >= need), -(-need // self.block) * self.block)
+            bucket = bucket_for(len(idx), self.buckets) if self.pad_batch else len(idx)
+            out.append((idx, bucket, width))
+        return out
+
+    def speaker(self, stream: Qwen2_5OmniCode2WavStream) -> torch.Tensor:
+        """The stream's speaker encodings [2, enc_dim] (ref_mel, zeros): once per stream."""
+        spk = self.speakers.get(stream)
+        if spk is None:
+            enc = self.model.code2wav_dit_model.input_embed.spk_encoder
+            ref = stream.ref_mel.to(self.device, self.fast.w_in_static.dtype)
+            spk = torch.cat([enc(ref), enc(torch.zeros_like(ref))])
+            self.speakers[stream] = spk
+        return spk
+
+    def new_dit_inputs(self, bucket: int, width: int) -> dict[str, torch.Tensor]:
+        spec, dev, fdt = self.spec, self.device, self.fast.w_in_static.dtype
+        return {"noise": torch.zeros(bucket, width, spec.mel_dim, device=dev),
+                "codes": torch.zeros(bucket, width // spec.repeats, dtype=torch.long, device=dev),
+                "spk": torch.zeros(bucket, 2, spec.enc_dim, device=dev, dtype=fdt),
+                "cond": torch.zeros(bucket, spec.enc_emb_dim, device=dev, dtype=fdt),
+                "start": torch.zeros(bucket, dtype=torch.long, device=dev),
+                "nvalid": torch.zeros(bucket, dtype=torch.long, device=dev)}
+
+    def fill_dit_inputs(self, buf: dict[str, torch.Tensor],
+                        rows: list[tuple[Qwen2_5OmniCode2WavStream, int]]) -> None:
+        """Write the rows' windows into the (bucket, width) buffers; the rest is padding."""
+        bucket, width = buf["noise"].shape[:2]
+        rep, n = self.spec.repeats, len(rows)
+        noise = torch.zeros(bucket, width, self.spec.mel_dim)
+        codes = torch.zeros(bucket, width // rep, dtype=torch.long)
+        start, nvalid = torch.zeros(bucket, dtype=torch.long), torch.zeros(bucket, dtype=torch.long)
+        for r, (stream, k) in enumerate(rows):
+            w0, w1 = stream.span(k).window
+            noise[r, :w1 - w0] = self.noise(stream, w1)[w0:w1]
+            codes[r, :(w1 - w0) // rep] = torch.tensor(stream.codes[w0 // rep:w1 // rep])
+            start[r], nvalid[r] = w0, w1 - w0
+        for name, t in (("noise", noise), ("codes", codes), ("start", start), ("nvalid", nvalid)):
+            buf[name].copy_(t, non_blocking=True)
+        # padding rows get zeros: finite, and masked out
+        buf["spk"][n:].zero_()
+        buf["cond"][n:].zero_()
+        buf["spk"][:n] = torch.stack([self.speaker(s) for s, _ in rows])
+        buf["cond"][:n] = torch.cat([s.cond.to(buf["cond"]) for s, _ in rows])
+
+    def noise(self, stream: Qwen2_5OmniCode2WavStream, frames: int) -> torch.Tensor:
+        """The stream's initial noise, at least [frames, M], on the CPU: drawn once per doubling.
+
+        NOTE: a prefix of a longer draw equals the shorter draw (Qwen2_5OmniToken2Wav.
+        initial_noise), so the cache never changes a frame's noise.
+        """
+        z = self.noises.get(stream)
+        if z is None or z.shape[0] < frames:
+            grown = min(stream.max_frames, max(2 * (0 if z is None else z.shape[0]), 256))
+            n = max(frames, grown)
+            z = Qwen2_5OmniToken2Wav.initial_noise(stream.seed, n, self.spec.mel_dim, max_frames=n)
+            self.noises[stream] = z
+        return z
+
+    def _dit(self, buf: dict[str, torch.Tensor]) -> torch.Tensor:
+        with _matmul_tf32(self.tf32):
+            return self.fast.sample(buf["noise"], buf["codes"], buf["spk"], buf["cond"],
+                                    buf["start"], buf["nvalid"])
+
+    # ------------------------------------------------------------------ graphs
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph,
+                                                                torch.Tensor]:
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: library handles, workspaces, autotuning
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other stages' threads may use the GPU while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
+        return graph, out
+
+    def dit_graph(self, bucket: int, width: int) -> _Graph:
+        g = self.dit_graphs.get((bucket, width))
+        if g is None:
+            g = _Graph(self.new_dit_inputs(bucket, width))
+            g.graph, g.output = self._capture(lambda: self._dit(g.inputs))
+            self.dit_graphs[(bucket, width)] = g
+        return g
+
+    def voc_graph(self, bucket: int, length: int) -> _Graph:
+        g = self.voc_graphs.get((bucket, length))
+        if g is None:
+            voc = self.model.code2wav_bigvgan_model
+            p = next(voc.parameters())
+            mel = torch.zeros(bucket, self.spec.mel_dim, length, device=self.device,
+                              dtype=p.dtype)
+            g = _Graph({"mel": mel})
+            g.graph, g.output = self._capture(lambda: voc(g.inputs["mel"]))
+            self.voc_graphs[(bucket, length)] = g
+        return g
+
+    # ------------------------------------------------------------------ decode
+    def sample_windows(self, rows: list[tuple[Qwen2_5OmniCode2WavStream, int]],
+                       config: Qwen2_5OmniCode2WavStreamConfig) -> list[torch.Tensor]:
+        """Each row's window mel [W_i, M] float32 (owned copies, not graph buffers)."""
+        widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in rows)]
+        mels: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for idx, bucket, width in self.plan(widths, config):
+            part = [rows[i] for i in idx]
+            if self.use_graphs and width <= self.max_graph_frames:
+                g = self.dit_graph(bucket, width)
+                self.fill_dit_inputs(g.inputs, part)
+                g.graph.replay()
+                out = g.output
+            else:
+                buf = self.new_dit_inputs(bucket, width)
+                self.fill_dit_inputs(buf, part)
+                out = self._dit(buf)
+            for j, i in enumerate(idx):
+                mels[i] = out[j, :widths[i]].clone()
+        return mels
+
+    def vocode(self, spans: list[Qwen2_5OmniCode2WavSpan], mels: list[torch.Tensor],
+               config: Qwen2_5OmniCode2WavStreamConfig) -> list[torch.Tensor]:
+        """Each row's vocoder span -> waveform [V_i * hop] float32 (owned)."""
+        voc = self.model.code2wav_bigvgan_model
+        p = next(voc.parameters())
+        by_len: dict[int, list[int]] = defaultdict(list)
+        for i, sp in enumerate(spans):
+            by_len[sp.vocoder[1] - sp.vocoder[0]].append(i)
+        graphed = vocoder_lengths(config, self.block) if self.use_graphs else ()
+        wavs: list[torch.Tensor] = [torch.empty(0)] * len(spans)
+        for length, idx in by_len.items():
+            for c in range(0, len(idx), self.buckets[-1]):
+                part = idx[c:c + self.buckets[-1]]
+                ins = [mels[i][spans[i].vocoder[0] - spans[i].window[0]:
+                               spans[i].vocoder[1] - spans[i].window[0]].T for i in part]
+                if length in graphed:
+                    g = self.voc_graph(bucket_for(len(part), self.buckets), length)
+                    for j, m in enumerate(ins):
+                        g.inputs["mel"][j].copy_(m)
+                    g.graph.replay()
+                    out = g.output
+                else:
+                    out = voc(torch.stack(ins).to(p.dtype))
+                for j, i in enumerate(part):
+                    wavs[i] = out[j].float().clone()
+        return wavs
+
+    @torch.inference_mode()
+    def decode(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]
+               ) -> list[Qwen2_5OmniCode2WavChunk]:
+        """Chunk k of each (stream, k): the chunks of `decode_chunks_with_mel` (all streams of
+        one stream config). Mutates nothing but this decoder's caches."""
+        check_requests(self.model, requests)
+        if not requests:
+            return []
+        config = requests[0][0].config
+        if any(s.config != config for s, _ in requests):
+            raise ValueError("requests: all streams of one batch need the same stream config")
+        spans = [s.span(k) for s, k in requests]
+        with self._on_device():
+            mels = self.sample_windows(list(requests), config)
+            wavs = self.vocode(spans, mels, config)
+        return assemble_chunks(self.model, list(requests), spans, mels, wavs)
+
+    def _on_device(self):
+        # graphs are captured and replayed with the model's GPU as the current device
+        return torch.cuda.device(self.device) if self.use_graphs else nullcontext()
+
+    @torch.inference_mode()
+    def warmup(self, config: Qwen2_5OmniCode2WavStreamConfig,
+               buckets: tuple[int, ...] | None = None) -> None:
+        """Capture the graphs of these buckets (default: all) for this stream config now."""
+        if not self.use_graphs:
+            return
+        with self._on_device():
+            self._warmup(config, buckets)
+
+    def _warmup(self, config: Qwen2_5OmniCode2WavStreamConfig,
+                buckets: tuple[int, ...] | None) -> None:
+        for b in buckets or self.buckets:
+            for w in window_widths(config, self.block):
+                if w <= self.max_graph_frames:
+                    self.dit_graph(bucket_for(b, self.buckets), w)
+            for length in vocoder_lengths(config, self.block):
+                self.voc_graph(bucket_for(b, self.buckets), length)
+
+    def stats(self) -> dict[str, float]:
+        return {"dit_graphs": len(self.dit_graphs), "vocoder_graphs": len(self.voc_graphs),
+                "capture_seconds": round(self.capture_seconds, 3)}

@@ -1,0 +1,234 @@
+"""Fixed-shape streaming code2wav (code2wav_graphs.py, code2wav_fast.py) on the CPU: padded
+windows and batch buckets equal the unpadded module path; the first-chunk schedule; the graph
+runner's host-side logic (buckets, widths, static buffers) without capturing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+    Qwen2_5OmniToken2WavConfig,
+)
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+from omnistage.models.qwen2_5_omni.code2wav_fast import ode_times
+from omnistage.models.qwen2_5_omni.code2wav_graphs import (Qwen2_5OmniCode2WavDecoder, bucket_for,
+                                                           vocoder_lengths, window_widths)
+from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_5OmniCode2WavStage
+from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavStream,
+                                                           Qwen2_5OmniCode2WavStreamConfig,
+                                                           decode_chunks_with_mel)
+from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
+
+from .test_code2wav_stream import N_CODES, SEED, _request
+from .test_token2wav import TINY_TOKEN2WAV
+
+Config = Qwen2_5OmniCode2WavStreamConfig
+SCHEDULE = Config(chunk_blocks=3, first_chunk_blocks=1)  # 1 block first, then 3
+
+
+@pytest.fixture(scope="module")
+def t2w() -> Qwen2_5OmniToken2Wav:
+    # test_code2wav_stream's weights: a real (unclipped) signal that depends on the mel
+    torch.manual_seed(0)
+    ref = Qwen2_5OmniToken2WavModel(Qwen2_5OmniToken2WavConfig(**TINY_TOKEN2WAV))
+    for m in ref.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+            m.reset_parameters()
+    ref.code2wav_bigvgan_model.conv_pre.weight.data *= 8
+    ours = Qwen2_5OmniToken2Wav(TINY_TOKEN2WAV).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ours
+
+
+@pytest.fixture(scope="module")
+def one_shot(t2w: Qwen2_5OmniToken2Wav) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, cond, ref_mel = _request(1, N_CODES)
+    mels, wavs = t2w.generate([torch.tensor(codes)], [cond], [ref_mel],
+                              [Qwen2_5OmniToken2Wav.initial_noise(SEED, 2 * N_CODES)])
+    assert wavs[0].pow(2).mean().sqrt() > 0.01 and (wavs[0].abs() > 0.999).float().mean() < 0.01
+    return mels[0], wavs[0]
+
+
+def _stream(t2w: Qwen2_5OmniToken2Wav, seed: int, n: int, config: Config | None = None,
+            finished: bool = True) -> Qwen2_5OmniCode2WavStream:
+    codes, cond, ref_mel = _request(seed, n)
+    stream = Qwen2_5OmniCode2WavStream(t2w, cond, ref_mel, 100 + seed, config)
+    stream.add_codes(codes, finished=finished)
+    return stream
+
+
+def _max_diff(a: list, b: list) -> tuple[float, float]:
+    mel = max(float((x.mel - y.mel).abs().max()) for x, y in zip(a, b, strict=True))
+    wav = max(float((x.waveform - y.waveform).abs().max()) for x, y in zip(a, b, strict=True))
+    return mel, wav
+
+
+def test_padded_windows_equal_unpadded(t2w: Qwen2_5OmniToken2Wav) -> None:
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    stream = _stream(t2w, 1, 70)  # 140 frames: 6 chunks of 24 frames, the last one 20
+    reqs = [(stream, k) for k in (0, 1, 3, 5)]  # clipped at 0 (0, 1), inside (3), at the end (5)
+    widths = [w1 - w0 for w0, w1 in (stream.span(k).window for _, k in reqs)]
+    assert widths == [48, 72, 96, 68]
+    assert dec.plan(widths, stream.config) == [([0, 1, 2, 3], 4, 96)]  # all padded to 96
+    assert dec.plan([48], stream.config) == [([0], 1, 48)]  # chunk 0 alone: its own width
+    # the fast ODE on the exact window (batch 1, no padding) vs padded to (bucket 4, width 96)
+    alone = []
+    with torch.inference_mode():
+        for s, k in reqs:
+            w0, w1 = s.span(k).window
+            buf = dec.new_dit_inputs(1, w1 - w0)
+            dec.fill_dit_inputs(buf, [(s, k)])
+            alone.append(dec._dit(buf)[0])
+        padded = dec.sample_windows(reqs, stream.config)
+    assert all(m.abs().max() > 0.1 for m in alone)
+    diff = max(float((a - p).abs().max()) for a, p in zip(alone, padded, strict=True))
+    assert diff < 1e-5, diff
+    # and the whole chunk (DiT + BigVGAN) against the module path of decode_chunks_with_mel
+    mel_diff, wav_diff = _max_diff(dec.decode(reqs), decode_chunks_with_mel(t2w, reqs))
+    print(f"padded vs unpadded ODE {diff:.2e}; vs module path: mel {mel_diff:.2e}, "
+          f"wave {wav_diff:.2e}")
+    assert mel_diff < 1e-5 and wav_diff < 1e-5
+
+
+def test_mixed_batch_equals_alone(t2w: Qwen2_5OmniToken2Wav) -> None:
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True, buckets=(1, 2, 4))
+    streams = [_stream(t2w, 40, 30), _stream(t2w, 41, 70, finished=False),
+               _stream(t2w, 42, 13)]
+    # 5 rows > bucket 4: two batches (4 rows, then 1); mixed widths, starts and ends
+    reqs = [(streams[0], 2), (streams[1], 3), (streams[2], 1), (streams[1], 0), (streams[0], 0)]
+    assert [len(idx) for idx, _, _ in dec.plan([96] * 5, Config())] == [4, 1]
+    batched = dec.decode(reqs)
+    assert [c.waveform.shape[0] for c in batched] == [12 * 240, 24 * 240, 2 * 240, 24 * 240,
+                                                      24 * 240]
+    for req, chunk in zip(reqs, batched, strict=True):
+        alone = dec.decode([req])[0]
+        assert chunk.waveform.pow(2).mean().sqrt() > 0.01
+        assert (chunk.waveform - alone.waveform).abs().max() < 1e-5
+        assert (chunk.mel - alone.mel).abs().max() < 1e-5
+
+
+def test_first_chunk_schedule_spans(t2w: Qwen2_5OmniToken2Wav) -> None:
+    stream = _stream(t2w, 1, 70, SCHEDULE, finished=False)  # 140 frames
+    # chunk 0 = 1 block, later chunks 3 blocks; ready once the window's end (+1 block) exists
+    assert stream.ready_chunks() == 2 and stream.num_chunks() is None
+    assert [stream.span(k).chunk for k in range(2)] == [(0, 24), (24, 96)]
+    assert stream.span(1).window == (0, 120) and stream.span(1).vocoder == (4, 116)
+    stream.add_codes([], finished=True)
+    assert stream.num_chunks() == stream.ready_chunks() == 3
+    assert stream.span(2).chunk == (96, 140) and stream.span(2).window == (48, 140)
+    frames = [stream.span(k).chunk for k in range(3)]
+    assert all(a[1] == b[0] for a, b in zip(frames, frames[1:]))  # contiguous, from 0 to F
+    for n, chunks in ((1, 1), (12, 1), (13, 2), (48, 2), (49, 3)):  # short utterances
+        assert _stream(t2w, 2, n, SCHEDULE).num_chunks() == chunks
+    assert window_widths(SCHEDULE, 24) == (48, 144)
+    assert vocoder_lengths(SCHEDULE, 24) == (44, 112)
+    assert window_widths(Config(), 24) == (48, 96) and vocoder_lengths(Config(), 24) == (44, 64)
+
+
+def test_first_chunk_schedule_arrival_independent(t2w: Qwen2_5OmniToken2Wav) -> None:
+    dec = Qwen2_5OmniCode2WavDecoder(t2w)
+    whole = _stream(t2w, 1, 70, SCHEDULE)
+    ref = dec.decode([(whole, k) for k in range(3)])
+    wav = torch.cat([c.waveform for c in ref])
+    assert wav.shape == (70 * 480,) and wav.pow(2).mean().sqrt() > 0.01
+    codes, cond, ref_mel = _request(1, 70)
+    stream = Qwen2_5OmniCode2WavStream(t2w, cond, ref_mel, 101, SCHEDULE)
+    got, ready_at = [], []
+    for i in range(0, 70, 6):  # codes arrive 6 at a time
+        stream.add_codes(codes[i:i + 6])
+        while len(got) < stream.ready_chunks():
+            ready_at.append(len(stream.codes))
+            got += dec.decode([(stream, len(got))])
+    assert ready_at == [24, 60]  # chunk 0 after 24 codes, chunk 1 (to frame 96) after 60
+    stream.add_codes([], finished=True)
+    got += dec.decode([(stream, 2)])
+    for a, b in zip(got, ref, strict=True):
+        assert a.frames == b.frames and (a.waveform - b.waveform).abs().max() <= 1e-6
+
+
+def test_whole_window_schedule_equals_one_shot(t2w: Qwen2_5OmniToken2Wav,
+                                               one_shot: tuple) -> None:
+    mel_ref, wav_ref = one_shot
+    config = Config(past_blocks=8, future_blocks=8, vocoder_overlap_frames=16, chunk_blocks=3,
+                    first_chunk_blocks=1)
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True, max_graph_frames=512)
+    codes, cond, ref_mel = _request(1, N_CODES)
+    stream = Qwen2_5OmniCode2WavStream(t2w, cond, ref_mel, SEED, config)
+    stream.add_codes(codes, finished=True)
+    assert window_widths(config, 24) == (216, 456)  # windows of 80 frames padded to 216
+    chunks = dec.decode([(stream, k) for k in range(stream.num_chunks())])
+    assert [c.frames for c in chunks] == [(0, 24), (24, 80)]
+    mel, wav = torch.cat([c.mel for c in chunks], 1), torch.cat([c.waveform for c in chunks])
+    assert wav.shape == wav_ref.shape == (N_CODES * 480,)
+    mel_diff, wav_diff = float((mel - mel_ref).abs().max()), float((wav - wav_ref).abs().max())
+    print(f"whole-window first-chunk schedule vs one-shot: mel {mel_diff:.2e}, "
+          f"wave {wav_diff:.2e}")
+    assert mel_diff < 1e-4 and wav_diff < 1e-4
+
+
+def test_host_logic(t2w: Qwen2_5OmniToken2Wav) -> None:
+    assert [bucket_for(n, (1, 2, 4, 8, 16)) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    with pytest.raises(ValueError, match="batch"):
+        bucket_for(17, (1, 2, 4, 8, 16))
+    times, widths = ode_times(10, -1.0)
+    assert len(times) == 36 and times[0] == 0.0 and times[-1] == 1.0
+    assert abs(sum(widths) - 1.0) < 1e-6
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    assert not dec.use_graphs and dec.pool is None  # CPU: never captures
+    # 20 rows: 16 + 4; whole-utterance windows (over max_graph_frames) round up to a block
+    plan = dec.plan([96] * 17 + [48] * 3, Config())
+    assert [(len(i), b, w) for i, b, w in plan] == [(16, 16, 96), (4, 4, 96)]
+    assert dec.plan([50], Config(past_blocks=64, future_blocks=64)) == [([0], 1, 72)]
+    # static buffers: a (bucket 4, width 96) buffer filled with 2 rows; the rest is padding
+    streams = [_stream(t2w, 1, 70), _stream(t2w, 2, 30)]
+    buf = dec.new_dit_inputs(4, 96)
+    buf["spk"].fill_(7.0)  # stale values from an earlier step must not survive
+    with torch.inference_mode():
+        dec.fill_dit_inputs(buf, [(streams[0], 3), (streams[1], 0)])
+    assert buf["start"].tolist() == [24, 0, 0, 0] and buf["nvalid"].tolist() == [96, 48, 0, 0]
+    assert buf["codes"][0].tolist() == streams[0].codes[12:60]
+    assert buf["codes"][1, :24].tolist() == streams[1].codes[:24]
+    assert not buf["codes"][1, 24:].any() and not buf["codes"][2:].any()
+    assert torch.equal(buf["noise"][0], Qwen2_5OmniToken2Wav.initial_noise(101, 120)[24:])
+    assert torch.equal(buf["noise"][1, :48], Qwen2_5OmniToken2Wav.initial_noise(102, 48))
+    assert not buf["noise"][1, 48:].any() and not buf["spk"][2:].any()
+    assert torch.equal(buf["spk"][1], dec.speaker(streams[1]))
+    assert torch.equal(buf["cond"][0], streams[0].cond[0])
+    # the noise cache grows, and stays a prefix of one draw
+    assert dec.noise(streams[0], 10).shape[0] == 256
+    assert torch.equal(dec.noise(streams[0], 600)[:140],
+                       Qwen2_5OmniToken2Wav.initial_noise(101, 140))
+
+
+def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav) -> None:
+    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+    codes, cond, ref_mel = _request(1, 70)
+    stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
+    stage.add_codes("a", codes[:30], finished=False)
+    audio = []
+    while stage.has_work():
+        audio += [e.audio for e in stage.step()]
+    stage.add_codes("a", codes[30:], finished=True)
+    while stage.has_work():
+        audio += [e.audio for e in stage.step()]
+    assert [len(a) for a in audio] == [24 * 240, 72 * 240, 44 * 240]
+    assert stage.stats()["dit_graphs"] == 0 and not stage.requests
+    ref = Qwen2_5OmniCode2WavDecoder(t2w).decode(
+        [(_stream(t2w, 1, 70, SCHEDULE), k) for k in range(3)])
+    for a, c in zip(audio, ref, strict=True):
+        assert abs(torch.from_numpy(a) - c.waveform).max() <= 1e-6
+
+
+@pytest.mark.parametrize("field,make", [
+    ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="bfloat16")),
+    ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="int8")),
+    ("cuda_graphs", lambda m: Qwen2_5OmniCode2WavDecoder(m, cuda_graphs=True)),
+    ("buckets", lambda m: Qwen2_5OmniCode2WavDecoder(m, buckets=(4, 2))),
+    ("first_chunk_blocks", lambda m: Config(first_chunk_blocks=0)),
+    ("requests", lambda m: Qwen2_5OmniCode2WavDecoder(m).decode(
+        [(_stream(m, 1, 30), 0), (_stream(m, 1, 30, SCHEDULE), 0)])),
+])
+def test_bad_options_raise(t2w: Qwen2_5OmniToken2Wav, field: str, make) -> None:
+    with pytest.raises(ValueError, match=field):
+        make(t2w)
