@@ -42,31 +42,9 @@ from omnistage.engine.ar.sequence import Sequence  # noqa: E402
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM  # noqa: E402
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.hf_omni_gpu import build, omni_config  # noqa: E402  (the same 7B shapes)
 
 WARM = 4  # tokens per sequence before timing (prefill, graph captures)
-
-
-def omni_config(tiny: bool) -> dict:
-    if tiny:
-        with open("/tmp/tiny_omni_ref/config.json") as f:
-            return json.load(f)
-    from transformers import Qwen2_5OmniConfig
-    return Qwen2_5OmniConfig(
-        thinker_config=dict(vision_start_token_id=151652, vision_end_token_id=151653),
-        talker_config=dict(vision_start_token_id=151652, hidden_size=896, num_hidden_layers=24,
-                           num_attention_heads=12, num_key_value_heads=4, head_dim=128,
-                           intermediate_size=18944, embedding_size=3584, vocab_size=8448),
-    ).to_dict()
-
-
-def build(cls, cfg: dict, dev: torch.device, dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # random init straight in the target dtype
-    try:
-        with torch.device(dev):
-            return cls(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
 
 
 class RandomRows:

@@ -160,10 +160,9 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, t_submit: flo
 
 def stage_stats(llm: AsyncOmniLLM) -> dict:
     s = llm.runtime.stats()
-    c2w = llm.pipeline.code2wav
     return {"busy": {k: v.get("busy_seconds", 0.0) for k, v in s.items()},
             "steps": {k: v.get("steps", 0) for k, v in s.items() if "steps" in v},
-            "c2w_batches": list(c2w.batch_sizes)}
+            "c2w_chunks": s["code2wav"].get("chunks", 0)}
 
 
 async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int) -> dict:
@@ -173,12 +172,13 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     t0 = time.perf_counter()
     rows = await asyncio.gather(*[one_request(llm, p, sp, t0) for p in ids])
     wall = time.perf_counter() - t0
+    await asyncio.sleep(0.2)  # stage processes report their stats right after going idle
     after = stage_stats(llm)
     audio = sum(r["audio_s"] for r in rows)
-    batches = after["c2w_batches"][len(before["c2w_batches"]):]
-    busy = {k: round(after["busy"][k] - before["busy"][k], 3) for k in after["busy"]}
-    steps = {k: after["steps"][k] - before["steps"][k] for k in after["steps"]}
-    busy_ms = {k: round(1e3 * busy[k] / max(1, steps.get(k, len(batches))), 2) for k in busy}
+    c2w_chunks = after["c2w_chunks"] - before["c2w_chunks"]
+    busy = {k: round(after["busy"][k] - before["busy"].get(k, 0), 3) for k in after["busy"]}
+    steps = {k: after["steps"][k] - before["steps"].get(k, 0) for k in after["steps"]}
+    busy_ms = {k: round(1e3 * busy[k] / max(1, steps.get(k, 1)), 2) for k in busy}
     res = {"concurrency": c, "wall_s": round(wall, 3), "audio_s_total": round(audio, 2),
            "audio_s_per_s": round(audio / wall, 3)}
     for key in ("ttft", "ttfa", "e2e", "client_ttfa"):
@@ -194,10 +194,10 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     res["per_request_codes"] = rows[0]["codes"]
     res["audio_chunks_per_request"] = rows[0]["chunks"]
     res["stage_busy_s"] = busy
-    res["stage_steps"] = {**steps, "code2wav": len(batches)}
+    res["stage_steps"] = steps
     res["stage_ms_per_step"] = busy_ms
     res["loop_busy_fraction"] = round(sum(busy.values()) / wall, 3)
-    res["code2wav_batch_mean"] = round(sum(batches) / max(1, len(batches)), 2)
+    res["code2wav_batch_mean"] = round(c2w_chunks / max(1, steps.get("code2wav", 1)), 2)
     return res
 
 
@@ -289,7 +289,19 @@ async def main_async(args, res: dict, save) -> None:
     # read by the code2wav stage's streaming decoder when it is built (also in a worker process)
     os.environ["OMNISTAGE_CODE2WAV_DIT_DTYPE"] = args.code2wav_dtype
     res["code2wav_dit_dtype"] = args.code2wav_dtype
-    llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048,
+    pipeline = None
+    if args.process_stages:  # these stages in processes of their own (pipeline YAML `worker`)
+        import yaml
+
+        from omnistage.config.schema import BUILTIN_DIR
+        cfg = yaml.safe_load((BUILTIN_DIR / "qwen2_5_omni.yaml").read_text())
+        for st in cfg["stages"]:
+            if st["name"] in args.process_stages.split(","):
+                st["worker"] = "process"
+        pipeline = str(ckpt / "pipeline_process_stages.yaml")
+        Path(pipeline).write_text(yaml.safe_dump(cfg))
+        res["process_stages"] = args.process_stages
+    llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
                        max_num_seqs=max(conc), max_num_batched_tokens=max(2048, 64 * max(conc)),
                        code2wav_window=window)
     res["load_s"] = round(time.perf_counter() - t1, 1)
@@ -298,7 +310,7 @@ async def main_async(args, res: dict, save) -> None:
         res["kv_blocks"] = {n: e.runner.num_blocks for n, e in llm.pipeline.engines.items()}
     save()
     t2 = time.perf_counter()
-    stage = getattr(llm.pipeline, "code2wav", None)
+    stage = llm.pipeline.workers.get("code2wav")  # (a stage process warms up at start)
     if args.code2wav_warmup and hasattr(stage, "warmup"):  # capture code2wav's graphs up front
         stage.warmup()
         res["code2wav_warmup_s"] = round(time.perf_counter() - t2, 1)
@@ -320,14 +332,18 @@ async def main_async(args, res: dict, save) -> None:
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
             res["runs"][name] = "skipped: out of time"
             continue
-        stage = llm.pipeline.code2wav
-        window = stage.stream_config
+        stage = llm.pipeline.workers.get("code2wav")
+        if oneshot and stage is None:
+            res["runs"][name] = "skipped: code2wav runs in its own process"
+            continue
+        window = stage.stream_config if stage is not None else None
         if oneshot:
             stage.stream_config = None  # read at submit and step: benchmark-side switch
         try:
             res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes, seed=c)
         finally:
-            stage.stream_config = window
+            if stage is not None:
+                stage.stream_config = window
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         save(name)
@@ -355,6 +371,8 @@ def main() -> None:
                     help="compute dtype of the streaming code2wav DiT")
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
+    ap.add_argument("--process-stages", default="",
+                    help="comma-separated stages to run in processes of their own")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name() if not args.small else "cpu",

@@ -197,6 +197,7 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
         return dict(host.stats(), steps=steps, busy_seconds=busy_seconds,
                     link_messages=link_messages)
 
+    up(("stats", stats()))
     while True:
         # stalled: wait for the upstream rows it is gated on (a pipe message wakes us at once)
         timeout = (0.05 if host.stalled else 0.0) if host.has_work() else 1.0
@@ -253,6 +254,8 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
             steps += 1
             if events:
                 up(("events", pack_events(events)))
+            if not host.has_work():  # idle now: a final report of this burst
+                up(("stats", stats()))
         if time.monotonic() - last_stats > STATS_INTERVAL:
             last_stats = time.monotonic()
             up(("stats", stats()))

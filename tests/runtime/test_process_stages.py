@@ -29,9 +29,9 @@ def test_same_results_in_process_and_one_process_per_stage(tiny_omni_dir):
     msgs = tiny_omni_test_messages()
     prompts = [{"messages": msgs[k]} for k in ("text_only", "audio_text", "image_text")]
     params = [speech_params(12, 40 + 10 * i, seed=i) for i in range(len(prompts))]
-    with OmniLLM(str(tiny_omni_dir)) as llm:
+    with OmniLLM(str(tiny_omni_dir), device="cpu") as llm:
         ref = llm.generate(prompts, params, use_tqdm=False)
-    llm = OmniLLM(str(tiny_omni_dir), stage_worker="process")
+    llm = OmniLLM(str(tiny_omni_dir), device="cpu", stage_worker="process")
     try:
         assert not llm.pipeline.workers and set(llm.runtime.remote) == {
             "thinker", "talker", "code2wav"}
@@ -58,7 +58,7 @@ def test_same_results_in_process_and_one_process_per_stage(tiny_omni_dir):
 
 
 def test_killed_stage_process_fails_its_requests_and_is_restarted(tiny_omni_dir):
-    llm = AsyncOmniLLM(str(tiny_omni_dir), stage_worker="process")
+    llm = AsyncOmniLLM(str(tiny_omni_dir), device="cpu", stage_worker="process")
     llm.runtime.set_step_delay("talker", 0.02)  # test-only: the request is still running
     msg = {"messages": tiny_omni_test_messages()["text_only"]}
 
@@ -99,9 +99,9 @@ def test_killed_stage_process_fails_its_requests_and_is_restarted(tiny_omni_dir)
 def test_llm_in_a_stage_process(tiny_qwen2):
     prompts = ["Hello there", "The quick brown fox", "1 2 3 4"]
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with OmniLLM(str(tiny_qwen2)) as llm:
+    with OmniLLM(str(tiny_qwen2), device="cpu") as llm:
         ref = llm.generate(prompts, p, use_tqdm=False)
-    with OmniLLM(str(tiny_qwen2), stage_worker="process") as llm:
+    with OmniLLM(str(tiny_qwen2), device="cpu", stage_worker="process") as llm:
         outs = llm.generate(prompts, p, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert all(len(o.token_ids) == 12 and o.text for o in outs)
@@ -114,3 +114,12 @@ def test_worker_key_in_yaml(tmp_path):
     cfg["stages"][2]["worker"] = "thread"
     with pytest.raises(ValueError, match=r"stages\.2\.worker"):
         load_pipeline(cfg)
+
+
+@pytest.mark.parametrize("option, value, field", [
+    ("stage_worker", "thread", "stage_worker"), ("code2wav_dit_dtype", "fp8", "code2wav_dit_dtype"),
+    ("code2wav_warmup", "yes", "code2wav_warmup"), ("code2wav_window", 3, "code2wav_window"),
+    ("talker_handoff", "v4", "talker_handoff")])
+def test_bad_pipeline_options_name_the_field(tiny_omni_dir, option, value, field):
+    with pytest.raises(ValueError, match=field):
+        OmniLLM(str(tiny_omni_dir), device="cpu", **{option: value})

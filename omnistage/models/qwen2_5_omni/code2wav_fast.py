@@ -130,55 +130,39 @@ class Qwen2_5OmniFastDiT:
         return rope, masks, valid
 
     def velocity(self, x: torch.Tensor, e: int, static: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], masks: dict) -> torch.Tensor:
-        """The DiT at evaluation e: x [B, W, mel] (compute dtype) -> velocity [B, W, mel]."""
-        b, w, _ = x.shape
-        hh, hd = self.heads, self.head_dim
-        h = torch.addmm(static.reshape(b * w, -1), x.reshape(b * w, -1), self.w_in_x.t())
-        h = h.view(b, w, -1)
-        cos, sin = rope
-        for mods, (wqkv, bqkv, wo, bo, w1, b1, w2, b2, key) in zip(
-                self.mods, self.layers, strict=True):
-            shift, scale, gate, shift2, scale2, gate2 = mods[e]
-            n = torch.addcmul(shift, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale)
-            qkv = F.linear(n, wqkv, bqkv).view(b, w, 3, hh, hd).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv[0], qkv[1], qkv[2]
-            # rotary on the first head only, output in (evens, odds) order (as the module does)
-            q = torch.cat([_rope_head(q[:, :1], cos, sin), q[:, 1:]], dim=1)
-            k = torch.cat([_rope_head(k[:, :1], cos, sin), k[:, 1:]], dim=1)
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[key])
-            att = F.linear(att.transpose(1, 2).reshape(b, w, -1), wo, bo)
-            h = torch.addcmul(h, gate, att)
-            n = torch.addcmul(shift2, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale2)
-            h = torch.addcmul(h, gate2, F.linear(F.gelu(F.linear(n, w1, b1), approximate="tanh"),
-                                                 w2, b2))
-        scale, shift = self.out_mods[e]
-        return F.linear(torch.addcmul(shift, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale),
-                        *self.proj_out)
+                 rope: tuple[torch.Tensor, torch.Tensor], masks: dict, keep: torch.Tensor,
+                 compiled: bool = False) -> torch.Tensor:
+        """The guided velocity at evaluation e: ODE state x [R, W, mel] float32 -> [R, W, mel]
+        float32 (padding zeroed). compiled: the inductor-compiled step functions (same math)."""
+        embed, layer, out = _compiled_steps() if compiled else (_dit_in, _dit_layer, _dit_out)
+        first = self.mods[0][e]
+        h, n = embed(x, static, self.w_in_x, first[0], first[1], self.use_cfg)
+        nxt = [(m[e][0], m[e][1]) for m in self.mods[1:]]  # the next layer's shift, 1 + scale
+        nxt.append((self.out_mods[e][1], self.out_mods[e][0]))  # then the output norm's
+        for mods, (*weights, key), (shift, scale) in zip(self.mods, self.layers, nxt,
+                                                        strict=True):
+            h, n = layer(h, n, mods[e], shift, scale, *weights, *rope, masks[key], self.heads)
+        return out(n, *self.proj_out, keep, self.guidance, self.use_cfg)
 
     def sample(self, noise: torch.Tensor, codes: torch.Tensor, spk: torch.Tensor,
-               cond: torch.Tensor, start: torch.Tensor, nvalid: torch.Tensor) -> torch.Tensor:
+               cond: torch.Tensor, start: torch.Tensor, nvalid: torch.Tensor,
+               compiled: bool = False) -> torch.Tensor:
         """The whole ODE for R padded windows: -> mel [R, W, mel] float32 (padding zeroed).
 
         noise [R, W, mel] float32; codes [R, W / repeats] long; spk [R, 2, enc_dim];
         cond [R, enc_emb_dim]; start [R] long (absolute frame of index 0); nvalid [R] long
         (frames [0, nvalid) are real). Row r equals its window decoded alone, unpadded.
+        compiled: run the DiT through the inductor-compiled step functions (see _compiled_steps;
+        each new input shape compiles once, so keep the set of shapes small, e.g. graph buckets).
         """
         width = noise.shape[1]
         static = self.static_projection(codes, spk, cond)
         rope, masks, valid = self.window_geometry(start, nvalid, width)
         keep = valid.unsqueeze(-1)
-        g = self.guidance
         e = iter(range(len(self.times)))
 
         def vel(x: torch.Tensor) -> torch.Tensor:
-            xc = x.to(self.dtype)
-            v = self.velocity(torch.cat([xc, xc]) if self.use_cfg else xc, next(e), static, rope,
-                              masks).float()
-            if self.use_cfg:
-                v_cond, v_null = v.chunk(2)
-                v = v_cond + (v_cond - v_null) * g
-            return v.masked_fill(~keep, 0.0)
+            return self.velocity(x, next(e), static, rope, masks, keep, compiled)
 
         x, third = noise.masked_fill(~keep, 0.0), 1 / 3
         for h in self.widths:  # the reference's arithmetic, operand order included
@@ -188,6 +172,77 @@ class Qwen2_5OmniFastDiT:
             k4 = vel(x + h * (k1 - k2 + k3))
             x = x + (k1 + 3 * (k2 + k3) + k4) * h / 8
         return x
+
+
+# ---------------------------------------------------------------- the DiT's step functions
+# NOTE: pure functions of tensors, weights passed as arguments: one compiled function serves all
+# 22 layers (look-back, look-ahead and plain layers differ only in the mask they are given), so
+# compile time is that of one layer per input shape, not of an unrolled 22-layer graph. Each
+# layer also applies the next layer's (or the output's) modulated norm, so the residual add
+# and the following norm fuse into one kernel across the layer boundary.
+
+def _modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # h [B, W, D]; shift, scale (1 + scale pre-added) [D]
+    return torch.addcmul(shift, F.layer_norm(h, h.shape[-1:], eps=1e-6), scale)
+
+
+def _dit_in(x: torch.Tensor, static: torch.Tensor, w_in_x: torch.Tensor, shift: torch.Tensor,
+            scale: torch.Tensor, cfg: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # x [R, W, mel] float32 ODE state; static [B, W, D] (B = 2R with CFG) -> h, layer 0's norm
+    xc = x.to(static.dtype)
+    if cfg:
+        xc = torch.cat([xc, xc])
+    b, w, _ = xc.shape
+    h = torch.addmm(static.reshape(b * w, -1), xc.reshape(b * w, -1), w_in_x.t()).view(b, w, -1)
+    return h, _modulate(h, shift, scale)
+
+
+def _dit_layer(h: torch.Tensor, n: torch.Tensor, mod: torch.Tensor, next_shift: torch.Tensor,
+               next_scale: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor, wo: torch.Tensor,
+               bo: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+               b2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # h [B, W, D] residual stream; n [B, W, D] its modulated attention norm (this layer's);
+    # mod [6, D] this layer's modulation; cos/sin [B, 1, W, hd/2]; mask [B, 1, W, W] additive
+    # -> (h, the next layer's modulated attention norm of h)
+    b, w, _ = h.shape
+    gate, shift2, scale2, gate2 = mod[2], mod[3], mod[4], mod[5]
+    qkv = F.linear(n, wqkv, bqkv).view(b, w, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    # rotary on the first head only, output in (evens, odds) order (as the module does)
+    q = torch.cat([_rope_head(q[:, :1], cos, sin), q[:, 1:]], dim=1)
+    k = torch.cat([_rope_head(k[:, :1], cos, sin), k[:, 1:]], dim=1)
+    att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    h = torch.addcmul(h, gate, F.linear(att.transpose(1, 2).reshape(b, w, -1), wo, bo))
+    n = _modulate(h, shift2, scale2)
+    h = torch.addcmul(h, gate2, F.linear(F.gelu(F.linear(n, w1, b1), approximate="tanh"), w2, b2))
+    return h, _modulate(h, next_shift, next_scale)
+
+
+def _dit_out(n: torch.Tensor, w: torch.Tensor, b: torch.Tensor, keep: torch.Tensor,
+             guidance: float, cfg: bool) -> torch.Tensor:
+    # n [B, W, D] the output norm; keep [R, W, 1] bool -> guided velocity [R, W, mel] float32
+    v = F.linear(n, w, b).float()
+    if cfg:
+        v_cond, v_null = v.chunk(2)
+        v = v_cond + (v_cond - v_null) * guidance
+    return v.masked_fill(~keep, 0.0)
+
+
+_COMPILED: tuple = ()
+
+
+def _compiled_steps() -> tuple:
+    """(_dit_in, _dit_layer, _dit_out) compiled by inductor at static shapes (built once)."""
+    global _COMPILED
+    if not _COMPILED:
+        # every (bucket, width) is a recompile of the same three functions: allow them all
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 256))
+        _COMPILED = tuple(torch.compile(f, fullgraph=True, dynamic=False)
+                          for f in (_dit_in, _dit_layer, _dit_out))
+    return _COMPILED
 
 
 def _rope_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,9 @@ class Qwen2_5OmniCode2WavStage:
             self.decoder.warmup(self.stream_config, buckets)
 
     def submit(self, request_id: str, request: Code2WavRequest) -> None:
+        # the voice arrives on the host when the front end runs in another process
+        request.cond = request.cond.to(self.device)
+        request.ref_mel = request.ref_mel.to(self.device)
         if self.stream_config is not None:
             request.stream = Qwen2_5OmniCode2WavStream(self.model, request.cond, request.ref_mel,
                                                        request.seed, self.stream_config)
@@ -145,5 +148,6 @@ class Qwen2_5OmniCode2WavStage:
         return {"queue": len(self.requests),
                 "batch_size": self.batch_sizes[-1] if self.batch_sizes else 0,
                 "max_batch_size": max(self.batch_sizes, default=0),
+                "chunks": sum(self.batch_sizes), "steps": len(self.batch_sizes),
                 "busy_seconds": self.busy_seconds,
                 **({} if self._decoder is None else self._decoder.stats())}
