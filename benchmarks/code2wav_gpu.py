@@ -1,13 +1,17 @@
 """Streaming code2wav on the GPU at real Qwen2.5-Omni-7B token2wav shapes (random weights).
 
 Measures one streaming chunk step (DiT ODE: 36 evaluations with CFG batch 2, then BigVGAN) for
-  - the module path (`decode_chunks`, eager, the previous implementation),
-  - `Qwen2_5OmniCode2WavDecoder` eager (no graphs) and with CUDA graphs, in float32, tf32 and
-    bfloat16, at batch 1, 8 and 32 (32 = two bucket-16 graphs), for the default schedule (1-block
-    chunks, 96-frame windows) and the 1-then-3-block schedule (144-frame windows);
-and reports ms per step, audio seconds per second, first-chunk latency, graphed-vs-eager
-equality, the mel/waveform SNR of tf32 and bf16 against float32, kernel launches and peak
-memory. Prints one JSON (each section fails alone). Run from the repo root:
+  - the module path (`decode_chunks`, eager, the previous implementation; batch 1),
+  - `Qwen2_5OmniCode2WavDecoder` with CUDA graphs in bfloat16, with the DiT inductor-compiled
+    inside the graphs (`..._compiled_...`) and without, at batch 1, 8 and 32 (one bucket-32
+    graph), for the default schedule (1-block chunks, 96-frame windows) and the 1-then-3-block
+    schedule (144-frame windows);
+and reports ms per step (and the DiT graph alone), audio seconds per second, first-chunk latency,
+first-call (compile + capture) time, graph pool memory, the accuracy of compiled vs uncompiled
+and of bf16 vs float32 (mel/waveform max abs, SNR), and a kernel profile of one compiled ODE
+(kernels per ODE, GPU time by kind, the attention kernel's name). Prints one JSON (each section
+fails alone). `--all` adds the float32/tf32 graph sections and eager sections (slow). Run from
+the repo root:
     PYTHONPATH=$PWD python benchmarks/code2wav_gpu.py [--out result.json]
 `--small` runs the same code on the CPU with the tiny test config (float32, no graphs): a smoke
 test of this script, not a measurement.
@@ -106,13 +110,14 @@ class Bench:
             out.append(s)
         return out
 
-    def decoder(self, dtype: str, graphs: bool) -> Qwen2_5OmniCode2WavDecoder:
+    def decoder(self, dtype: str, graphs: bool, compile: bool = False
+                ) -> Qwen2_5OmniCode2WavDecoder:
         if self.small:  # CPU: float32 without graphs only
-            dtype, graphs = "float32", False
-        key = (dtype, graphs)
+            dtype, graphs, compile = "float32", False, False
+        key = (dtype, graphs, compile)
         if key not in self.decoders:
             self.decoders[key] = Qwen2_5OmniCode2WavDecoder(self.model, dit_dtype=dtype,
-                                                            cuda_graphs=graphs)
+                                                            cuda_graphs=graphs, compile=compile)
         return self.decoders[key]
 
     def section(self, name: str, fn) -> None:
@@ -141,14 +146,11 @@ class Bench:
     def module_path(self) -> dict:
         """The previous implementation: decode_chunks_with_mel (eager, launch-bound)."""
         out = {}
-        for bs in (1, 8):
+        for bs in (1, 8) if self.args.all else (1,):
             reqs = [(s, 40) for s in self.streams(bs, SCHEDULES["default"])]
             ms = timed(lambda r=reqs: decode_chunks_with_mel(self.model, r), 2 if bs == 1 else 1)
             out[f"bs{bs}_ms"] = ms
             out[f"bs{bs}_audio_s_per_s"] = round(bs * 24 * HOP / SR / (ms / 1e3), 2)
-        out["launches_bs1"] = self.launches(
-            lambda: decode_chunks_with_mel(self.model, [(self.streams(1, SCHEDULES["default"])[0],
-                                                         40)]))
         return out
 
     def launches(self, fn) -> dict:
@@ -159,12 +161,14 @@ class Bench:
             fn()
             sync()
         ev = {e.key: e.count for e in prof.key_averages()}
-        keys = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+        keys = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch")
         return {k: ev[k] for k in keys if k in ev} or {"aten_ops": sum(
             n for k, n in ev.items() if k.startswith("aten::"))}
 
-    def steps(self, dtype: str, graphs: bool, schedule: str, batches=(1, 8, 32)) -> dict:
-        config, dec = SCHEDULES[schedule], self.decoder(dtype, graphs)
+    def steps(self, dtype: str, graphs: bool, schedule: str, batches=(1, 8, 32),
+              compile: bool = False) -> dict:
+        config, dec = SCHEDULES[schedule], self.decoder(dtype, graphs, compile)
         reps = 1 if self.small else 10
         batches = (1, 2) if self.small else batches
         chunk = config.chunk_blocks * self.model.spec.block_size
@@ -173,13 +177,17 @@ class Bench:
         for bs in batches:
             reqs = [(s, k) for s in self.streams(bs, config)]
             t = time.perf_counter()
-            dec.decode(reqs)  # first call: captures the graphs of this shape
+            dec.decode(reqs)  # first call: compiles and captures the graphs of this shape
             sync()
-            out[f"bs{bs}_first_call_ms"] = round(1e3 * (time.perf_counter() - t), 1)
+            out[f"bs{bs}_first_call_s"] = round(time.perf_counter() - t, 2)
             ms = timed(lambda r=reqs: dec.decode(r), reps if bs == 1 else max(1, reps // 2))
             out[f"bs{bs}_ms"] = ms
             out[f"bs{bs}_audio_s_per_s"] = round(bs * chunk * HOP / SR / (ms / 1e3), 2)
             out[f"bs{bs}_rtf"] = round((ms / 1e3) / (chunk * HOP / SR), 4)
+            if dec.use_graphs:  # the DiT graph alone (the rest: BigVGAN + host work)
+                (_, bucket, width), = dec.plan([w1 - w0 for w0, w1 in (
+                    s.span(j).window for s, j in reqs)], config)
+                out[f"bs{bs}_dit_ms"] = timed(dec.dit_graphs[(bucket, width)].graph.replay, reps)
         # first-chunk latency: chunk 0 of a new stream (speaker encoder + noise draw included)
         fresh = iter(range(100, 200))
         dec.decode([(self.streams(1, config, next(fresh))[0], 0)])  # capture chunk 0's shapes
@@ -195,10 +203,13 @@ class Bench:
         out["launches_bs1"] = self.launches(
             lambda: dec.decode([(self.streams(1, config)[0], k)]))
         out["graphs"] = dec.stats()
+        out["graph_MiB"] = {f"{kind}_b{b}_w{w}": round(n / 2**20, 1)
+                            for (kind, b, w), n in dec.graph_bytes.items()}
         return out
 
     def accuracy(self) -> dict:
-        """Graphed vs eager (float32), fast vs module path, tf32 and bf16 vs float32 (SNR)."""
+        """bf16 compiled vs uncompiled graphs; fp32/bf16 graphs (compiled or not) vs fp32 eager;
+        fast eager vs the module path."""
         config = SCHEDULES["default"]
         reqs = [(s, k) for s, k in zip(self.streams(8, config), (0, 1, 2, 40, 41, 60, 84, 85))]
         # chunks 0-1 clipped at frame 0, 85 (the last: 8 frames) at the utterance's end
@@ -208,17 +219,19 @@ class Bench:
         out["fast_eager_vs_module_max_abs"] = {
             "mel": float(max((a.mel - b.mel).abs().max() for a, b in zip(ref, module))),
             "wave": float(max((a.waveform - b.waveform).abs().max() for a, b in zip(ref, module)))}
-        for dtype in ("float32", "tf32", "bfloat16"):
-            got = self.decoder(dtype, True).decode(reqs)
-            mel_ref = torch.cat([c.mel for c in ref], 1)
-            wav_ref = torch.cat([c.waveform for c in ref])
-            mel, wav = torch.cat([c.mel for c in got], 1), torch.cat([c.waveform for c in got])
-            out[f"{dtype}_graph_vs_fp32_eager"] = {
-                "mel_max_abs": float((mel - mel_ref).abs().max()),
-                "wave_max_abs": float((wav - wav_ref).abs().max()),
-                "mel_snr_db": snr_db(mel, mel_ref), "wave_snr_db": snr_db(wav, wav_ref),
-                "wave_snr_db_worst_chunk": min(snr_db(a.waveform, b.waveform)
-                                               for a, b in zip(got, ref))}
+        variants = [("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)]
+        if self.args.all:
+            variants.append(("tf32", False))
+        got = {}
+        for dtype, comp in variants:
+            name = f"{dtype}{'_compiled' if comp else ''}_graph"
+            got[name] = self.decoder(dtype, True, comp).decode(reqs)
+            out[f"{name}_vs_fp32_eager"] = compare(got[name], ref)
+        if "bfloat16_compiled_graph" in got:
+            out["bfloat16_compiled_vs_uncompiled"] = compare(got["bfloat16_compiled_graph"],
+                                                             got["bfloat16_graph"])
+        mel_ref = torch.cat([c.mel for c in ref], 1)
+        wav_ref = torch.cat([c.waveform for c in ref])
         out["ref_mel_rms"] = round(float(mel_ref.pow(2).mean().sqrt()), 3)
         out["ref_wave_rms"] = round(float(wav_ref.pow(2).mean().sqrt()), 4)
         out["ref_wave_clipped_frac"] = round(float((wav_ref.abs() > 0.999).float().mean()), 4)
@@ -230,19 +243,68 @@ class Bench:
         mels, wavs = self.model.generate([codes], [s.cond], [s.ref_mel], [noise])
         short = Qwen2_5OmniCode2WavStream(self.model, s.cond, s.ref_mel, s.seed, config)
         short.add_codes(s.codes[:n], finished=True)
-        chunks = self.decoder("float32", True).decode(
+        chunks = self.decoder("float32", False).decode(
             [(short, k) for k in range(short.num_chunks())])
         out["streaming_vs_oneshot_fp32"] = {
             "mel_snr_db": snr_db(torch.cat([c.mel for c in chunks], 1), mels[0]),
             "wave_snr_db": snr_db(torch.cat([c.waveform for c in chunks]), wavs[0])}
         return out
 
+    def kernels(self) -> dict:
+        """One compiled bf16 ODE run eagerly (no graph) under the profiler: kernels per ODE, GPU
+        time by kind, the attention kernels' names; at (bucket 1, 96) and (bucket 32, 144)."""
+        from torch.profiler import ProfilerActivity, profile
+        dec = self.decoder("bfloat16", not self.small, not self.small)
+        out: dict = {}
+        for bucket, width in ((1, 96), (32, 144)) if not self.small else ((1, 96),):
+            buf = dec.new_dit_inputs(bucket, width)
+            buf["nvalid"].fill_(width)
+            with torch.inference_mode():
+                run = lambda b=buf: dec._dit(b, dec.compile)  # noqa: E731
+                run()
+                sync()
+                acts = [ProfilerActivity.CPU] + ([] if self.small else [ProfilerActivity.CUDA])
+                with profile(activities=acts) as prof:
+                    run()
+                    sync()
+            kinds: dict = {}
+            n, attn = 0, set()
+            for e in prof.key_averages():
+                if self.small or e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                name = e.key.lower()
+                kind = ("attention" if any(w in name for w in ("fmha", "attention", "flash"))
+                        else "gemm" if any(w in name for w in ("gemm", "nvjet", "sm90", "cutlass",
+                                                               "cublas"))
+                        else "triton" if name.startswith("triton") else "other")
+                us = getattr(e, "self_device_time_total", None) or e.self_cuda_time_total
+                kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+                n += e.count
+                if kind == "attention":
+                    attn.add(e.key[:120])
+            out[f"b{bucket}_w{width}"] = {
+                "kernels_per_ode": n, "gpu_ms_by_kind": {k: round(v, 2) for k, v in kinds.items()},
+                "gpu_ms": round(sum(kinds.values()), 2), "attention_kernels": sorted(attn)}
+        return out
+
+
+def compare(got: list, ref: list) -> dict:
+    mel_ref, wav_ref = torch.cat([c.mel for c in ref], 1), torch.cat([c.waveform for c in ref])
+    mel, wav = torch.cat([c.mel for c in got], 1), torch.cat([c.waveform for c in got])
+    return {"mel_max_abs": float((mel - mel_ref).abs().max()),
+            "wave_max_abs": float((wav - wav_ref).abs().max()),
+            "mel_snr_db": snr_db(mel, mel_ref), "wave_snr_db": snr_db(wav, wav_ref),
+            "wave_snr_db_worst_chunk": min(snr_db(a.waveform, b.waveform)
+                                           for a, b in zip(got, ref))}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="CPU smoke test on the tiny config")
-    ap.add_argument("--deadline-s", type=float, default=200.0,
+    ap.add_argument("--all", action="store_true",
+                    help="also the float32/tf32 graph and eager sections (slow)")
+    ap.add_argument("--deadline-s", type=float, default=220.0,
                     help="start no further section after this many seconds")
     args = ap.parse_args()
     if not args.small and not torch.cuda.is_available():
@@ -250,12 +312,17 @@ def main() -> None:
     b = Bench(args)
     b.section("module_path_fp32", b.module_path)
     b.section("accuracy", b.accuracy)
-    b.section("fast_eager_fp32", lambda: b.steps("float32", False, "default", (1,)))
-    for dtype in ("bfloat16", "float32", "tf32"):
-        b.section(f"graph_{dtype}_default", lambda d=dtype: b.steps(d, True, "default"))
-    for dtype in ("bfloat16", "float32"):
-        b.section(f"graph_{dtype}_first1_then3",
-                  lambda d=dtype: b.steps(d, True, "first1_then3"))
+    for schedule in ("default", "first1_then3"):
+        b.section(f"graph_bfloat16_compiled_{schedule}",
+                  lambda s=schedule: b.steps("bfloat16", True, s, compile=True))
+    b.section("kernels_bfloat16_compiled", b.kernels)
+    for schedule in ("default", "first1_then3"):  # the uncompiled graphs, for comparison
+        b.section(f"graph_bfloat16_{schedule}", lambda s=schedule: b.steps("bfloat16", True, s))
+    if args.all:
+        b.section("fast_eager_fp32", lambda: b.steps("float32", False, "default", (1,)))
+        for dtype in ("float32", "tf32"):
+            b.section(f"graph_{dtype}_default", lambda d=dtype: b.steps(d, True, "default"))
+        b.section("graph_float32_first1_then3", lambda: b.steps("float32", True, "first1_then3"))
     b.res["total_s"] = round(time.perf_counter() - b.t0, 1)
     b.res["peak_mem_GiB_max_section"] = max(
         (v["peak_mem_GiB"] for v in b.res.values() if isinstance(v, dict) and "peak_mem_GiB" in v),

@@ -11,6 +11,9 @@ ODE state hoisted out of the 36 evaluations:
   - q, k and v are one GEMM.
 It reads its inputs only from tensors and does no host synchronisation, so one call can be
 captured in a CUDA graph. The ODE state stays float32 whatever the DiT's compute dtype.
+The DiT runs as three pure step functions (input, layer, output; see the NOTE below them), run
+eagerly or, with `compiled=True`, through torch.compile (inductor, static shapes) so that the
+norms, modulation, rotary, activations and residuals fuse around the GEMMs and attention.
 """
 
 from __future__ import annotations
@@ -208,11 +211,10 @@ def _dit_layer(h: torch.Tensor, n: torch.Tensor, mod: torch.Tensor, next_shift: 
     b, w, _ = h.shape
     gate, shift2, scale2, gate2 = mod[2], mod[3], mod[4], mod[5]
     qkv = F.linear(n, wqkv, bqkv).view(b, w, 3, heads, -1).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv[0], qkv[1], qkv[2]
-    # rotary on the first head only, output in (evens, odds) order (as the module does)
-    q = torch.cat([_rope_head(q[:, :1], cos, sin), q[:, 1:]], dim=1)
-    k = torch.cat([_rope_head(k[:, :1], cos, sin), k[:, 1:]], dim=1)
-    att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # rotary on q's and k's first head only, output in (evens, odds) order (as the module
+    # does); q and k together: one op (one kernel)
+    qk = torch.cat([_rope_head(qkv[:2, :, :1], cos, sin), qkv[:2, :, 1:]], dim=2)
+    att = F.scaled_dot_product_attention(qk[0], qk[1], qkv[2], attn_mask=mask)
     h = torch.addcmul(h, gate, F.linear(att.transpose(1, 2).reshape(b, w, -1), wo, bo))
     n = _modulate(h, shift2, scale2)
     h = torch.addcmul(h, gate2, F.linear(F.gelu(F.linear(n, w1, b1), approximate="tanh"), w2, b2))
@@ -246,6 +248,6 @@ def _compiled_steps() -> tuple:
 
 
 def _rope_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, 1, T, D], (even, odd) pairs rotated; cos/sin [B, 1, T, D/2] -> (evens, odds) order
+    # x [..., B, 1, T, D], (even, odd) pairs rotated; cos/sin [B, 1, T, D/2] -> (evens, odds)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)

@@ -7,7 +7,10 @@
     so a padded row equals its window decoded alone. Edge chunks (windows clipped at frame 0 or
     at the utterance's end) are padded the same way: every chunk runs in a fixed shape. On CUDA
     the whole ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is one
-    CUDA graph, captured lazily into a shared memory pool.
+    CUDA graph, captured lazily into a shared memory pool. By default the DiT's step functions
+    inside these graphs are inductor-compiled (code2wav_fast._compiled_steps): norms, modulation,
+    rotary, activations and residuals fuse around the GEMMs and attention, one compile per
+    (bucket, width) shared by all 22 layers, done in the warm-up run before the capture.
   - BigVGAN: its convs pad at the sequence's ends, so padding would change the result. Spans of
     the standard length (chunk + both overlaps) and chunk 0's span run as graphs per (bucket,
     length); other spans (the utterance's last chunk, tiny utterances) run eagerly.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,7 +36,7 @@ from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               assemble_chunks, check_requests)
 from .token2wav import Qwen2_5OmniToken2Wav
 
-BUCKETS = (1, 2, 4, 8, 16)
+BUCKETS = (1, 2, 4, 8, 16, 32)
 MAX_GRAPH_FRAMES = 384  # windows wider than this (e.g. whole-utterance windows) are not padded
 
 
@@ -83,11 +87,14 @@ class Qwen2_5OmniCode2WavDecoder:
     dit_dtype: "float32" (default; equals the module path), "tf32" (float32 weights, TF32
     matmuls) or "bfloat16" (a bf16 copy of the DiT's GEMM weights; the ODE state stays fp32).
     cuda_graphs: None = on for CUDA unless OMNISTAGE_CUDA_GRAPHS=0. pad_batch: None = with graphs.
+    compile: torch.compile the DiT inside the graphs; None = with graphs unless
+    OMNISTAGE_CODE2WAV_COMPILE=0 (the CPU path and ungraphed shapes stay eager).
     """
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,
                  cuda_graphs: bool | None = None, buckets: tuple[int, ...] = BUCKETS,
-                 pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES) -> None:
+                 pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES,
+                 compile: bool | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device = model, p.device
         dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
@@ -106,6 +113,11 @@ class Qwen2_5OmniCode2WavDecoder:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs: needs a CUDA model")
         self.use_graphs, self.buckets = bool(cuda_graphs), tuple(buckets)
+        if compile is None:
+            compile = self.use_graphs and os.environ.get("OMNISTAGE_CODE2WAV_COMPILE", "1") != "0"
+        if compile and not self.use_graphs:
+            raise ValueError("compile: compiles the CUDA-graphed shapes; needs cuda_graphs")
+        self.compile = bool(compile)
         self.pad_batch = self.use_graphs if pad_batch is None else bool(pad_batch)
         self.max_graph_frames = int(max_graph_frames)
         self.fast = Qwen2_5OmniFastDiT(model.code2wav_dit_model, DTYPES[self.dtype_name],
@@ -117,7 +129,8 @@ class Qwen2_5OmniCode2WavDecoder:
         self.dit_graphs: dict[tuple[int, int], _Graph] = {}
         self.voc_graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.capture_seconds = 0.0
+        self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
+        self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
 
     # ------------------------------------------------------------------ host-side planning
     def plan(self, widths_needed: list[int], config: Qwen2_5OmniCode2WavStreamConfig
@@ -192,35 +205,56 @@ class Qwen2_5OmniCode2WavDecoder:
             self.noises[stream] = z
         return z
 
-    def _dit(self, buf: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _dit(self, buf: dict[str, torch.Tensor], compiled: bool = False) -> torch.Tensor:
         with _matmul_tf32(self.tf32):
             return self.fast.sample(buf["noise"], buf["codes"], buf["spk"], buf["cond"],
-                                    buf["start"], buf["nvalid"])
+                                    buf["start"], buf["nvalid"], compiled)
 
     # ------------------------------------------------------------------ graphs
-    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph,
-                                                                torch.Tensor]:
+    def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, int, int]
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: library handles, workspaces, autotuning
+        # warm-up: library handles, workspaces, autotuning (compiled code: compiled already)
+        with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.warmup_seconds += time.perf_counter() - t0
+        reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other stages' threads may use the GPU while this one captures
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
+        self.graph_bytes[key] = torch.cuda.memory_reserved(self.device) - reserved
         return graph, out
 
     def dit_graph(self, bucket: int, width: int) -> _Graph:
         g = self.dit_graphs.get((bucket, width))
         if g is None:
             g = _Graph(self.new_dit_inputs(bucket, width))
-            g.graph, g.output = self._capture(lambda: self._dit(g.inputs))
+            if self.compile:
+                self._compile_or_fall_back(g.inputs)
+            g.graph, g.output = self._capture(lambda: self._dit(g.inputs, self.compile),
+                                              ("dit", bucket, width))
             self.dit_graphs[(bucket, width)] = g
         return g
+
+    def _compile_or_fall_back(self, inputs: dict[str, torch.Tensor]) -> None:
+        # compile this shape before the capture; a machine where inductor cannot build (no C
+        # compiler, old Triton) keeps working on uncompiled graphs, with a warning
+        t0 = time.perf_counter()
+        try:
+            self._dit(inputs, True)
+        except Exception as exc:  # noqa: BLE001 - any compile failure: eager graphs instead
+            warnings.warn(f"code2wav: torch.compile of the DiT failed, graphs stay uncompiled "
+                          f"({type(exc).__name__}: {str(exc)[:300]})", stacklevel=3)
+            self.compile = False
+        torch.cuda.synchronize(self.device)
+        self.compile_seconds += time.perf_counter() - t0
 
     def voc_graph(self, bucket: int, length: int) -> _Graph:
         g = self.voc_graphs.get((bucket, length))
@@ -230,7 +264,8 @@ class Qwen2_5OmniCode2WavDecoder:
             mel = torch.zeros(bucket, self.spec.mel_dim, length, device=self.device,
                               dtype=p.dtype)
             g = _Graph({"mel": mel})
-            g.graph, g.output = self._capture(lambda: voc(g.inputs["mel"]))
+            g.graph, g.output = self._capture(lambda: voc(g.inputs["mel"]),
+                                              ("vocoder", bucket, length))
             self.voc_graphs[(bucket, length)] = g
         return g
 
@@ -322,5 +357,10 @@ class Qwen2_5OmniCode2WavDecoder:
                 self.voc_graph(bucket_for(b, self.buckets), length)
 
     def stats(self) -> dict[str, float]:
+        """Graph counts; seconds compiling (each shape's first compiled run), capturing (the
+        warm-up run included) and warming up; graph pool memory (GiB) grown by the captures."""
         return {"dit_graphs": len(self.dit_graphs), "vocoder_graphs": len(self.voc_graphs),
-                "capture_seconds": round(self.capture_seconds, 3)}
+                "compiled": self.compile, "compile_seconds": round(self.compile_seconds, 3),
+                "capture_seconds": round(self.capture_seconds, 3),
+                "warmup_seconds": round(self.warmup_seconds, 3),
+                "graph_pool_GiB": round(sum(self.graph_bytes.values()) / 2**30, 3)}

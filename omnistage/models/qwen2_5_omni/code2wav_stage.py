@@ -23,7 +23,7 @@ from omnistage.runtime.stage import StageEvent
 
 register_model("Qwen2_5OmniToken2Wav")(Qwen2_5OmniToken2Wav)
 
-MAX_BATCH = 16
+MAX_BATCH = 32  # the decoder's largest graph bucket: one graph per step
 
 
 @dataclass
@@ -41,16 +41,18 @@ class Qwen2_5OmniCode2WavStage:
     def __init__(self, name: str, model: Qwen2_5OmniToken2Wav, device: torch.device,
                  stream_config: Qwen2_5OmniCode2WavStreamConfig | None,
                  dit_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None,
-                 warmup: bool = False) -> None:
+                 warmup: bool = False, compile: bool | None = None) -> None:
         # dit_dtype: the streaming DiT's compute dtype ("float32", "tf32", "bfloat16"; None =
         # $OMNISTAGE_CODE2WAV_DIT_DTYPE or float32); cuda_graphs: None = on for CUDA unless
-        # OMNISTAGE_CUDA_GRAPHS=0; warmup: capture the stream config's graphs now
+        # OMNISTAGE_CUDA_GRAPHS=0; warmup: capture the stream config's graphs now; compile:
+        # torch.compile the graphed DiT (None = with graphs unless OMNISTAGE_CODE2WAV_COMPILE=0)
         self.name, self.model, self.device = name, model, device
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
-        self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs}
+        self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
+                                "compile": compile}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
         if warmup:
             self.warmup()

@@ -1,6 +1,7 @@
 """Fixed-shape streaming code2wav (code2wav_graphs.py, code2wav_fast.py) on the CPU: padded
 windows and batch buckets equal the unpadded module path; the first-chunk schedule; the graph
-runner's host-side logic (buckets, widths, static buffers) without capturing."""
+runner's host-side logic (buckets, widths, static buffers) without capturing; the DiT's step
+functions compiled by inductor (on the CPU) against eager."""
 
 from __future__ import annotations
 
@@ -176,9 +177,10 @@ def test_host_logic(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert abs(sum(widths) - 1.0) < 1e-6
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
     assert not dec.use_graphs and dec.pool is None  # CPU: never captures
-    # 20 rows: 16 + 4; whole-utterance windows (over max_graph_frames) round up to a block
-    plan = dec.plan([96] * 17 + [48] * 3, Config())
-    assert [(len(i), b, w) for i, b, w in plan] == [(16, 16, 96), (4, 4, 96)]
+    # 36 rows: 32 + 4; whole-utterance windows (over max_graph_frames) round up to a block
+    plan = dec.plan([96] * 33 + [48] * 3, Config())
+    assert [(len(i), b, w) for i, b, w in plan] == [(32, 32, 96), (4, 4, 96)]
+    assert dec.buckets == (1, 2, 4, 8, 16, 32) and not dec.compile
     assert dec.plan([50], Config(past_blocks=64, future_blocks=64)) == [([0], 1, 72)]
     # static buffers: a (bucket 4, width 96) buffer filled with 2 rows; the rest is padding
     streams = [_stream(t2w, 1, 70), _stream(t2w, 2, 30)]
@@ -220,10 +222,51 @@ def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav) -> None:
         assert abs(torch.from_numpy(a) - c.waveform).max() <= 1e-6
 
 
+def test_compiled_steps_equal_eager(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # the ODE through the inductor-compiled step functions (the CUDA graphs' default) vs eager,
+    # on a padded batch with CFG: one window clipped at frame 0, one inside, one padding row
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    stream = _stream(t2w, 1, 70)
+    with torch.inference_mode():
+        buf = dec.new_dit_inputs(3, 96)
+        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
+        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        eager = dec.fast.sample(*args)
+        compiled = dec.fast.sample(*args, compiled=True)
+    assert eager[:2].abs().max() > 1.0 and not eager[2].any()
+    diff = float((compiled - eager).abs().max())
+    print(f"compiled vs eager ODE: max abs {diff:.2e}")
+    assert diff < 1e-5, diff
+
+
+@pytest.mark.gpu
+def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # the default CUDA decoder (compiled DiT inside CUDA graphs) vs eager on the same GPU
+    import copy
+    model = copy.deepcopy(t2w).cuda()
+    streams = []
+    for seed, n in ((40, 30), (41, 70)):
+        codes, cond, ref_mel = _request(seed, n)
+        streams.append(Qwen2_5OmniCode2WavStream(model, cond.cuda(), ref_mel.cuda(), seed))
+        streams[-1].add_codes(codes, finished=True)
+    reqs = [(streams[0], 2), (streams[1], 3), (streams[1], 0)]  # 3 rows: bucket 4, width 96
+    eager = Qwen2_5OmniCode2WavDecoder(model, cuda_graphs=False).decode(reqs)
+    dec = Qwen2_5OmniCode2WavDecoder(model)
+    got = dec.decode(reqs)
+    again = dec.decode(reqs)  # a replay
+    assert dec.compile and dec.stats()["dit_graphs"] == 1, dec.stats()
+    mel_diff, wav_diff = _max_diff(got, eager)
+    print(f"compiled graphs vs eager (CUDA fp32): mel {mel_diff:.2e}, wave {wav_diff:.2e}")
+    assert all(c.mel.abs().max() > 0.1 for c in eager)
+    assert mel_diff < 1e-4 and wav_diff < 1e-4
+    assert _max_diff(again, got) == (0.0, 0.0)
+
+
 @pytest.mark.parametrize("field,make", [
     ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="bfloat16")),
     ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="int8")),
     ("cuda_graphs", lambda m: Qwen2_5OmniCode2WavDecoder(m, cuda_graphs=True)),
+    ("compile", lambda m: Qwen2_5OmniCode2WavDecoder(m, compile=True)),
     ("buckets", lambda m: Qwen2_5OmniCode2WavDecoder(m, buckets=(4, 2))),
     ("first_chunk_blocks", lambda m: Config(first_chunk_blocks=0)),
     ("requests", lambda m: Qwen2_5OmniCode2WavDecoder(m).decode(
