@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
-    Qwen2_5OmniToken2WavConfig,
-)
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
 from omnistage.models.qwen2_5_omni.code2wav_fast import ode_times
 from omnistage.models.qwen2_5_omni.code2wav_graphs import (Qwen2_5OmniCode2WavDecoder, bucket_for,
@@ -22,7 +18,7 @@ from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavSt
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 
 from .test_code2wav_stream import N_CODES, SEED, _request
-from .test_token2wav import TINY_TOKEN2WAV
+from .test_token2wav import tiny_token2wav_pair
 
 Config = Qwen2_5OmniCode2WavStreamConfig
 SCHEDULE = Config(chunk_blocks=3, first_chunk_blocks=1)  # 1 block first, then 3
@@ -30,16 +26,7 @@ SCHEDULE = Config(chunk_blocks=3, first_chunk_blocks=1)  # 1 block first, then 3
 
 @pytest.fixture(scope="module")
 def t2w() -> Qwen2_5OmniToken2Wav:
-    # test_code2wav_stream's weights: a real (unclipped) signal that depends on the mel
-    torch.manual_seed(0)
-    ref = Qwen2_5OmniToken2WavModel(Qwen2_5OmniToken2WavConfig(**TINY_TOKEN2WAV))
-    for m in ref.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-            m.reset_parameters()
-    ref.code2wav_bigvgan_model.conv_pre.weight.data *= 8
-    ours = Qwen2_5OmniToken2Wav(TINY_TOKEN2WAV).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
-    return ours
+    return tiny_token2wav_pair()[1]  # a real (unclipped) signal that depends on the mel
 
 
 @pytest.fixture(scope="module")

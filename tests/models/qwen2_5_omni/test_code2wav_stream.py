@@ -6,10 +6,6 @@ import logging
 
 import pytest
 import torch
-from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
-    Qwen2_5OmniToken2WavConfig,
-)
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
 from omnistage.models.qwen2_5_omni.code2wav_stream import (
     Qwen2_5OmniCode2WavStreamConfig,
@@ -19,7 +15,7 @@ from omnistage.models.qwen2_5_omni.code2wav_stream import (
 )
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 
-from .test_token2wav import TINY_TOKEN2WAV
+from .test_token2wav import tiny_token2wav_pair
 
 logger = logging.getLogger(__name__)
 N_CODES, SEED = 40, 7  # 80 frames: chunks of 24, 24, 24 and 8 frames
@@ -27,16 +23,7 @@ N_CODES, SEED = 40, 7  # 80 frames: chunks of 24, 24, 24 and 8 frames
 
 @pytest.fixture(scope="module")
 def model() -> Qwen2_5OmniToken2Wav:
-    # the weights of test_token2wav's fixture: a real (unclipped) signal that depends on the mel
-    torch.manual_seed(0)
-    ref = Qwen2_5OmniToken2WavModel(Qwen2_5OmniToken2WavConfig(**TINY_TOKEN2WAV))
-    for m in ref.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-            m.reset_parameters()
-    ref.code2wav_bigvgan_model.conv_pre.weight.data *= 8
-    ours = Qwen2_5OmniToken2Wav(TINY_TOKEN2WAV).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
-    return ours
+    return tiny_token2wav_pair()[1]  # a real (unclipped) signal that depends on the mel
 
 
 def _request(seed: int, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -26,6 +26,12 @@ TINY_TOKEN2WAV = dict(
 
 @pytest.fixture(scope="module")
 def models() -> tuple[Qwen2_5OmniToken2WavModel, Qwen2_5OmniToken2Wav]:
+    return tiny_token2wav_pair()
+
+
+def tiny_token2wav_pair() -> tuple[Qwen2_5OmniToken2WavModel, Qwen2_5OmniToken2Wav]:
+    """transformers' tiny token2wav and ours with the same weights (also used by the
+    code2wav streaming tests)."""
     torch.manual_seed(0)
     ref = Qwen2_5OmniToken2WavModel(Qwen2_5OmniToken2WavConfig(**TINY_TOKEN2WAV)).eval()
     # transformers' init makes the waveform ~1e-8; torch's default init gives a real signal
