@@ -116,8 +116,13 @@ class CausalLMPipeline:
         tokenizer = load_tokenizer(path)
         cfg = stage_engine_config(config.get("max_position_embeddings", 32768), options,
                                   stage.engine)
-        eos = eos_token_ids(load_generation_config(path), config, tokenizer)
-        return ARStageWorker(name, AREngine(model, cfg, device, dtype, tokenizer, eos))
+        gen_cfg = load_generation_config(path)
+        engine = AREngine(model, cfg, device, dtype, tokenizer,
+                          eos_token_ids(gen_cfg, config, tokenizer))
+        params = stage.default_sampling.apply(generation_defaults(gen_cfg))
+        engine.runner.warmup_graphs([params, SamplingParams(**{**params.__dict__,
+                                                               "temperature": 0.0})])
+        return ARStageWorker(name, engine)
 
     @property
     def stage_names(self) -> list[str]:

@@ -261,6 +261,27 @@ class DecodeGraphs:
                 out = head.out[:n]
         return self.hidden[:n], out
 
+    def warmup(self, additive_width: int | None, flag_sets) -> None:
+        """Capture every batch size's forward graph (with additive rows of this width, or none)
+        and its head graphs for these SamplingFlags now: at first use a size would stall the
+        step for its Triton warm-up and capture (~1-2 s at 7B)."""
+        has_a = additive_width is not None
+        if has_a and self.additive is None:
+            self.additive = torch.zeros(self.max_size, additive_width, dtype=self.dtype,
+                                        device=self.device)
+        self.copied.synchronize()
+        self._fill_padding(0)  # every row padding: the dummy block, the scratch sampler slot
+        self.dev.copy_(self.host)
+        for B in self.sizes:
+            key = (B, False, has_a)
+            if key not in self.graphs:
+                if has_a:
+                    self.additive[:B].zero_()
+                self.graphs[key] = self._capture(
+                    lambda warm, B=B: self._forward(B, False, has_a, warm))
+            for flags in flag_sets:
+                self._get_head(B, flags)
+
     def _get_head(self, B: int, flags) -> _Graph | None:
         key = (B, flags)
         if key not in self.heads:

@@ -13,11 +13,12 @@ import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
-from omnistage.engine.ar.sampler import SamplerState, SamplingTensors, sample
+from omnistage.engine.ar.sampler import SamplerState, SamplingFlags, SamplingTensors, sample
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.interface import ForwardBatch
 from omnistage.models.layers import compile_layer_kernels
+from omnistage.sampling_params import SamplingParams
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks is unset
 
@@ -59,6 +60,24 @@ class ModelRunner:
             block_size=config.block_size, dummy_block=self.num_blocks,
             uses_mrope=self.uses_mrope, device=device, dtype=dtype,
             sampler=self.sampler) if use_graphs else None
+
+    def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
+                      ) -> None:
+        """Capture the decode graphs of every batch size now (CUDA; OMNISTAGE_GRAPH_WARMUP=0
+        leaves them to first use), with head graphs for these params, min_tokens on and off."""
+        if self.graphs is None or os.environ.get("OMNISTAGE_GRAPH_WARMUP", "1") == "0":
+            return
+        flag_sets = set()
+        for p in params:
+            greedy = p.greedy
+            for banned in (False, True):
+                flag_sets.add(None if self.legacy_sampler or self.graphs.sampler is None else
+                              SamplingFlags(greedy, p.top_k > 0 and not greedy,
+                                            p.top_p < 1 and not greedy,
+                                            p.min_p > 0 and not greedy, p.needs_penalties,
+                                            banned))
+        with torch.inference_mode():
+            self.graphs.warmup(additive_width, sorted(flag_sets, key=str))
 
     def _sampler_state(self, vocab: int) -> SamplerState:
         if self.sampler is None:

@@ -164,17 +164,25 @@ class Qwen2_5OmniPipeline:
             model_cfg, cls_, prefix = config["thinker_config"], Qwen2_5OmniThinkerForCausalLM, \
                 "thinker."
             tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(path).tokenizer
-            eos = eos_token_ids(load_generation_config(path), config, None)
+            gen_cfg = load_generation_config(path)
+            eos = eos_token_ids(gen_cfg, config, None)
             max_len = model_cfg["text_config"].get("max_position_embeddings", 32768)
+            params, rows_width = generation_defaults(gen_cfg), None
         else:
             model_cfg, cls_, prefix = config["talker_config"], Qwen2_5OmniTalkerForCausalLM, \
                 "talker."
             tokenizer, eos = None, set()
             max_len = model_cfg.get("max_position_embeddings", 32768)
+            params = talker_default_params(talker_token_ids(model_cfg)[0])
+            rows_width = model_cfg["embedding_size"]  # decode steps add the thinker's rows
         model = build_model(cls_, model_cfg, iter_tensors(path, _prefix(stage, prefix)), device,
                             dtype)
         cfg = stage_engine_config(max_len, engine_opts, stage.engine)
-        return ARStageWorker(name, AREngine(model, cfg, device, dtype, tokenizer, eos))
+        engine = AREngine(model, cfg, device, dtype, tokenizer, eos)
+        params = stage.default_sampling.apply(params)
+        engine.runner.warmup_graphs(
+            [params, SamplingParams(**{**params.__dict__, "temperature": 0.0})], rows_width)
+        return ARStageWorker(name, engine)
 
     @staticmethod
     def _placement(stage: StageConfig, device, dtype) -> tuple[torch.device, torch.dtype]:
