@@ -42,25 +42,10 @@ from omnistage.engine.ar.sequence import Sequence  # noqa: E402
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM  # noqa: E402
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
+from omnistage.testing.input_rows import RandomInputRows  # noqa: E402
 from benchmarks.hf_omni_gpu import build, omni_config  # noqa: E402  (the same 7B shapes)
 
 WARM = 4  # tokens per sequence before timing (prefill, graph captures)
-
-
-class RandomRows:
-    """Stands in for the thinker -> talker rows: seeded random rows, prompt rows replace."""
-
-    def __init__(self, prompt_len: int, width: int, dev, dtype) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.table = (torch.randn(4096, width, generator=g) * 0.02).to(dev, dtype)
-        self.prompt_len = prompt_len
-
-    def ready(self, seq) -> int:
-        return 1 << 40
-
-    def rows(self, seq, start, end):
-        replace = torch.arange(start, end, device=self.table.device) < self.prompt_len
-        return self.table[start:end], replace
 
 
 def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
@@ -80,7 +65,8 @@ def talker_seqs(talker, B: int, n: int, tag: str, dev, dtype) -> list[Sequence]:
     width = talker.model.embed_tokens.weight.shape[1]
     return [Sequence(f"{tag}-{i}", ids, p, seed=100 + i,
                      mrope_positions=torch.arange(len(ids)).expand(3, -1).clone(),
-                     input_source=RandomRows(prompt_len, width, dev, dtype), cacheable=False)
+                     input_source=RandomInputRows(prompt_len, width, 7, dev, dtype,
+                                                                  scale=0.02), cacheable=False)
             for i in range(B)]
 
 

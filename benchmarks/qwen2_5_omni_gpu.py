@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # omnistage and be
 from omnistage.engine.ar.engine import AREngine  # noqa: E402
 from omnistage.engine.ar.scheduler import EngineConfig  # noqa: E402
 from omnistage.engine.ar.sequence import Sequence  # noqa: E402
-from omnistage.models.qwen2_5_omni.talker import ALWAYS_READY  # noqa: E402
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
+from omnistage.testing.input_rows import RandomInputRows  # noqa: E402
 
 from benchmarks.hf_omni_gpu import SEEDS, build_stage, id_range, omni_config  # noqa: E402
 
@@ -75,21 +75,6 @@ def free(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-class RandomRows:
-    """Stands in for the thinker -> talker adapter: random rows, prompt rows replace."""
-
-    def __init__(self, prompt_len: int, width: int, dev, dtype) -> None:
-        self.table = torch.randn(4096, width, device=dev, dtype=dtype) * 0.02
-        self.prompt_len = prompt_len
-
-    def ready(self, seq) -> int:
-        return ALWAYS_READY
-
-    def rows(self, seq, start, end):
-        replace = torch.arange(start, end, device=self.table.device) < self.prompt_len
-        return self.table[start:end], replace
 
 
 def run_engine(engine: AREngine, seqs: list[Sequence], dev) -> dict:
@@ -130,7 +115,8 @@ def talker_seqs(talker, prompt_len, n, B, tag, dev, dtype):
     width = talker.model.embed_tokens.weight.shape[1]
     return [Sequence(f"{tag}-{i}", ids, p, seed=100 + i,
                      mrope_positions=torch.arange(len(ids)).expand(3, -1).clone(),
-                     input_source=RandomRows(prompt_len, width, dev, dtype), cacheable=False)
+                     input_source=RandomInputRows(prompt_len, width, 7, dev, dtype,
+                                                                  scale=0.02), cacheable=False)
             for i in range(B)]
 
 

@@ -12,6 +12,7 @@ from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.layers import DecoderForCausalLM
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
 from omnistage.sampling_params import SamplingParams
+from omnistage.testing.input_rows import RandomInputRows
 from omnistage.testing.tiny_lm import scale_weights_
 
 LM_CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -31,22 +32,6 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(1) == [1]
 
 
-class RowSource:
-    """Talker-like input rows: the prompt's rows replace embeddings, later rows are added."""
-
-    def __init__(self, prompt_len: int, width: int, seed: int, device) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(4096, width, generator=g).to(device)
-        self.prompt_len = prompt_len
-
-    def ready(self, seq) -> int:
-        return 1 << 40
-
-    def rows(self, seq, start, end):
-        replace = torch.arange(start, end, device=self.table.device) < self.prompt_len
-        return self.table[start:end], replace
-
-
 def _run(model, device, prompts, params, talker: bool, graphs: bool, max_num_seqs: int = 8):
     cfg = EngineConfig(max_model_len=256, max_num_seqs=max_num_seqs, block_size=8,
                        max_num_batched_tokens=64)
@@ -59,7 +44,7 @@ def _run(model, device, prompts, params, talker: bool, graphs: bool, max_num_seq
             width = model.model.embed_tokens.weight.shape[1]
             kw = dict(mrope_positions=torch.arange(len(p)).expand(3, -1) * torch.tensor(
                 [[1], [2], [3]]), rope_delta=5,
-                input_source=RowSource(len(p), width, i, device), cacheable=False)
+                input_source=RandomInputRows(len(p), width, i, device), cacheable=False)
         eng.add_request(Sequence(f"r{i}", p, params, seed=1000 + i, **kw))
     out: dict[str, list[int]] = {}
     while eng.has_unfinished():
