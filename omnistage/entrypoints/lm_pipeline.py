@@ -19,7 +19,7 @@ from omnistage.entrypoints.prompts import text_prompt_ids
 from omnistage.models.layers import DecoderForCausalLM
 from omnistage.models.registry import register_model, resolve_architecture
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.process import StageProcessSpec
+from omnistage.runtime.process import StageProcessSpec, pop_stage_worker, stage_process_spec
 from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams
 
@@ -80,9 +80,7 @@ class CausalLMPipeline:
         stage = pipeline.stages[0]
         self.config, self.name = pipeline, stage.name
         options = dict(engine_options)
-        worker = options.pop("stage_worker", None)
-        if worker not in (None, "inprocess", "process"):
-            raise ValueError(f"stage_worker: {worker!r}; one of 'inprocess', 'process'")
+        worker = pop_stage_worker(options)
         if stage.device:
             device = resolve_device(stage.device)
         if stage.dtype != "auto":
@@ -98,9 +96,8 @@ class CausalLMPipeline:
         self.workers: dict[str, ARStageWorker] = {}
         self.process_stages: dict[str, StageProcessSpec] = {}
         if (worker or stage.worker) == "process":
-            self.process_stages[self.name] = StageProcessSpec(
-                str(path), config, pipeline, self.name, str(device), str(dtype).split(".")[-1],
-                options)
+            self.process_stages[self.name] = stage_process_spec(
+                path, config, pipeline, self.name, device, dtype, options)
         else:
             self.workers[self.name] = self.build_stage(path, config, pipeline, self.name, device,
                                                        dtype, options)
@@ -119,9 +116,7 @@ class CausalLMPipeline:
         gen_cfg = load_generation_config(path)
         engine = AREngine(model, cfg, device, dtype, tokenizer,
                           eos_token_ids(gen_cfg, config, tokenizer))
-        params = stage.default_sampling.apply(generation_defaults(gen_cfg))
-        engine.runner.warmup_graphs([params, SamplingParams(**{**params.__dict__,
-                                                               "temperature": 0.0})])
+        engine.runner.warmup_graphs([stage.default_sampling.apply(generation_defaults(gen_cfg))])
         return ARStageWorker(name, engine)
 
     @property

@@ -47,6 +47,23 @@ class StageProcessSpec:
     num_threads: int = 0  # torch intra-op threads (0: torch's default)
 
 
+STAGE_WORKERS = ("inprocess", "process")
+
+
+def pop_stage_worker(options: dict[str, Any]) -> str | None:
+    """Takes the `stage_worker` option (every stage's worker; None = the YAML's) out of options."""
+    worker = options.pop("stage_worker", None)
+    if worker is not None and worker not in STAGE_WORKERS:
+        raise ValueError(f"stage_worker: {worker!r}; one of {STAGE_WORKERS}")
+    return worker
+
+
+def stage_process_spec(path, config: dict, pipeline: Any, stage: str, device: torch.device,
+                       dtype: torch.dtype, options: dict[str, Any]) -> StageProcessSpec:
+    return StageProcessSpec(str(path), config, pipeline, stage, str(device),
+                            str(dtype).removeprefix("torch."), options)
+
+
 def dumps(obj: Any) -> bytes:
     return bytes(ForkingPickler.dumps(obj))
 

@@ -6,6 +6,7 @@ selects the older host-built SamplingTensors path (same tokens; kept for compari
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -64,13 +65,13 @@ class ModelRunner:
     def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
                       ) -> None:
         """Capture the decode graphs of every batch size now (CUDA; OMNISTAGE_GRAPH_WARMUP=0
-        leaves them to first use), with head graphs for these params, min_tokens on and off."""
+        leaves them to first use), with head graphs for these params and their greedy variant,
+        min_tokens on and off."""
         if self.graphs is None or os.environ.get("OMNISTAGE_GRAPH_WARMUP", "1") == "0":
             return
         flag_sets = set()
         for p in params:
-            greedy = p.greedy
-            for banned in (False, True):
+            for greedy, banned in itertools.product((p.greedy, True), (False, True)):
                 flag_sets.add(None if self.legacy_sampler or self.graphs.sampler is None else
                               SamplingFlags(greedy, p.top_k > 0 and not greedy,
                                             p.top_p < 1 and not greedy,

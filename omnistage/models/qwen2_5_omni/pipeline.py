@@ -31,7 +31,7 @@ from omnistage.models.qwen2_5_omni.voices import load_voices
 from omnistage.models.registry import ADAPTER_REGISTRY
 from omnistage.outputs import OmniRequestOutput
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.process import StageProcessSpec
+from omnistage.runtime.process import StageProcessSpec, pop_stage_worker, stage_process_spec
 from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
 
@@ -95,9 +95,8 @@ class Qwen2_5OmniPipeline:
         for stage in stages:
             dev, dt = self._placement(stage, device, dtype)
             if (options["stage_worker"] or stage.worker) == "process":
-                self.process_stages[stage.name] = StageProcessSpec(
-                    str(path), config, pipeline, stage.name, str(dev), str(dt).split(".")[-1],
-                    options)
+                self.process_stages[stage.name] = stage_process_spec(
+                    path, config, pipeline, stage.name, dev, dt, options)
             else:
                 self.workers[stage.name] = self.build_stage(path, config, pipeline, stage.name,
                                                             dev, dt, options)
@@ -122,9 +121,7 @@ class Qwen2_5OmniPipeline:
         warmup = opts.pop("code2wav_warmup", None)  # None = capture code2wav's graphs on CUDA
         if warmup not in (None, True, False):
             raise ValueError(f"code2wav_warmup: {warmup!r}; true or false")
-        worker = opts.pop("stage_worker", None)
-        if worker not in (None, "inprocess", "process"):
-            raise ValueError(f"stage_worker: {worker!r}; one of 'inprocess', 'process'")
+        worker = pop_stage_worker(opts)
         return {"talker_handoff": handoff, "code2wav_window": window, "stage_worker": worker,
                 "code2wav_dit_dtype": dit_dtype, "code2wav_warmup": warmup, "engine": opts}
 
@@ -181,9 +178,7 @@ class Qwen2_5OmniPipeline:
                             dtype)
         cfg = stage_engine_config(max_len, engine_opts, stage.engine)
         engine = AREngine(model, cfg, device, dtype, tokenizer, eos)
-        params = stage.default_sampling.apply(params)
-        engine.runner.warmup_graphs(
-            [params, SamplingParams(**{**params.__dict__, "temperature": 0.0})], rows_width)
+        engine.runner.warmup_graphs([stage.default_sampling.apply(params)], rows_width)
         return ARStageWorker(name, engine)
 
     @staticmethod
