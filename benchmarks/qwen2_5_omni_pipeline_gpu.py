@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib.machinery
 import json
 import os
@@ -36,6 +37,7 @@ from omnistage.entrypoints.async_llm import AsyncOmniLLM  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 
 SR = 24000
+ROUND_TIMEOUT_S = float(os.environ.get("OMNISTAGE_BENCH_ROUND_TIMEOUT", "240"))
 MARKER = "pipeline_bench_build.json"
 HF_H100 = {"bs1_rtf": 5.285, "bs1_first_audio_s": 108.23, "bs8_audio_s_per_s": 1.641,
            "bs32_audio_s_per_s": 3.273}
@@ -170,7 +172,15 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     ids = prompts(c, 63, seed)
     before = stage_stats(llm)
     t0 = time.perf_counter()
-    rows = await asyncio.gather(*[one_request(llm, p, sp, t0) for p in ids])
+    try:
+        rows = await asyncio.wait_for(
+            asyncio.gather(*[one_request(llm, p, sp, t0) for p in ids]), ROUND_TIMEOUT_S)
+    except TimeoutError:  # a hung round: say where every thread and stream is, then stop
+        faulthandler.dump_traceback()
+        print("stuck in flight:", {n: w.gpu.describe() for n, w in llm.pipeline.workers.items()
+                                   if n in llm.runtime.inflight and hasattr(w, "gpu")},
+              flush=True)
+        os._exit(3)
     wall = time.perf_counter() - t0
     await asyncio.sleep(0.2)  # stage processes report their stats right after going idle
     after = stage_stats(llm)
@@ -269,7 +279,7 @@ def sync_dev(dev: torch.device) -> None:
 
 
 async def main_async(args, res: dict, save) -> None:
-    dev = torch.device("cpu" if args.small else "cuda")
+    dev = torch.device(args.device or ("cpu" if args.small else "cuda"))
     ckpt = Path(args.ckpt)
     t0 = time.perf_counter()
     if args.profile_code2wav:
@@ -327,8 +337,12 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), True) for c in args.oneshot.split(",") if c]
     if args.oneshot_only:
         rounds = [r for r in rounds if r[1]]
-    for i, (c, oneshot) in enumerate(rounds):
-        name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "")
+    rounds += [(int(c), "serial") for c in args.serial.split(",") if c]
+    res["overlap"] = llm.runtime.overlap
+    for i, (c, mode) in enumerate(rounds):
+        oneshot = mode is True
+        name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
+            "_serial_steps" if mode == "serial" else "")
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
             res["runs"][name] = "skipped: out of time"
             continue
@@ -339,9 +353,13 @@ async def main_async(args, res: dict, save) -> None:
         window = stage.stream_config if stage is not None else None
         if oneshot:
             stage.stream_config = None  # read at submit and step: benchmark-side switch
+        overlap = llm.runtime.overlap
+        if mode == "serial":  # the loop reads it each pass; nothing is in flight between rounds
+            llm.runtime.overlap = False
         try:
             res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes, seed=c)
         finally:
+            llm.runtime.overlap = overlap
             if stage is not None:
                 stage.stream_config = window
         if dev.type == "cuda":
@@ -363,6 +381,9 @@ def main() -> None:
     ap.add_argument("--oneshot", default="", help="concurrencies also run with one-shot code2wav")
     ap.add_argument("--warmup", default="", help="warm-up concurrencies (default: --concurrency)")
     ap.add_argument("--oneshot-only", action="store_true", help="skip the streaming rounds")
+    ap.add_argument("--serial", default="",
+                    help="concurrencies also run with the stages stepped one after another "
+                         "(no GPU overlap), after the other rounds")
     ap.add_argument("--profile-code2wav", action="store_true")
     ap.add_argument("--chunk-blocks", type=int, default=1, help="DiT blocks per audio chunk")
     ap.add_argument("--first-chunk-blocks", type=int, default=None,
@@ -373,9 +394,15 @@ def main() -> None:
                     help="capture every code2wav CUDA graph before the warm-up rounds")
     ap.add_argument("--process-stages", default="",
                     help="comma-separated stages to run in processes of their own")
+    ap.add_argument("--device", default=None, help="default: cpu with --small, else cuda")
+    ap.add_argument("--watchdog-s", type=float, default=0,
+                    help="print every thread's stack after this many seconds (hang hunting)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    res: dict = {"device": torch.cuda.get_device_name() if not args.small else "cpu",
+    if args.watchdog_s:
+        faulthandler.dump_traceback_later(args.watchdog_s, repeat=True, exit=False)
+    res: dict = {"device": (torch.cuda.get_device_name() if (args.device or "cuda") != "cpu"
+                            and not (args.small and args.device is None) else "cpu"),
                  "torch": torch.__version__, "dtype": "bfloat16 (code2wav float32)",
                  "workload": f"~60-id text prompt -> {args.text_tokens} text tokens + "
                              f"{args.codes} codes per request, all submitted at once",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import multiprocessing.connection
 import queue
 import threading
@@ -26,9 +27,11 @@ import torch
 
 from omnistage.outputs import OmniRequestOutput, StageOutput
 from omnistage.runtime.process import ProcessStage, StageProcessSpec, unpack_events
-from omnistage.runtime.stage import StageEvent, StageHost, StageLink, StageWorker
+from omnistage.runtime.stage import (LaunchedStep, StageEvent, StageHost, StageLink,
+                                     StageWorker)
 
 log = logging.getLogger("omnistage.runtime")
+STALL_WARNING_SECONDS = 60.0  # a launched step this long unfinished is logged (with streams)
 
 
 @dataclass
@@ -68,10 +71,18 @@ class Orchestrator:
 
     def __init__(self, workers: dict[str, StageWorker], background: bool = True,
                  process_stages: dict[str, StageProcessSpec] | None = None,
-                 order: list[str] | None = None, startup_timeout: float = 600.0) -> None:
+                 order: list[str] | None = None, startup_timeout: float = 600.0,
+                 overlap: bool | None = None) -> None:
         process_stages = process_stages or {}
         order = order or [*workers, *(n for n in process_stages if n not in workers)]
         self.workers = workers  # the stages in this process
+        env = os.environ.get("OMNISTAGE_OVERLAP", "")  # "1" on, "0" off, unset: auto
+        if overlap is None:  # auto: on when a stage here runs on a GPU
+            overlap = env == "1" or (env != "0" and any(
+                getattr(getattr(w, "device", None), "type", "cpu") == "cuda"
+                for w in workers.values()))
+        self.overlap = overlap
+        self.inflight: dict[str, LaunchedStep] = {}  # overlap: launched, not collected yet
         self.local = {n: StageHost(w, self._deliver) for n, w in workers.items()}
         self.remote = {n: ProcessStage(spec) for n, spec in process_stages.items()}
         self.hosts: dict[str, StageHost | ProcessStage] = {
@@ -263,7 +274,7 @@ class Orchestrator:
 
     def _iteration(self) -> None:
         """One pass: control messages, deadlines, then a step of every stage with work."""
-        busy = any(h.has_work() for h in self.local.values())
+        busy = bool(self.inflight) or any(h.has_work() for h in self.local.values())
         if self.remote:
             self._wait_remote(0.0 if busy else 0.05)
             self._drain_control(block=False)
@@ -273,22 +284,67 @@ class Orchestrator:
         for name, host in self.hosts.items():
             if name in self.remote:
                 self._poll_remote(name)
-                continue
-            if not host.has_work():
-                continue
-            if name in self.step_delay:
-                time.sleep(self.step_delay[name])
-            t0 = time.perf_counter()
+            elif host.has_work() and name not in self.inflight:
+                if name in self.step_delay:
+                    time.sleep(self.step_delay[name])
+                if self.overlap:
+                    self._launch(name, host)
+                else:
+                    self._sync_step(name, host)
+        if self.inflight:
+            self._collect_finished()
+
+    def _sync_step(self, name: str, host: StageHost) -> None:
+        t0 = time.perf_counter()
+        try:
+            events = host.step()
+        except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
+            events = self._crashed(name, host, e)
+        if hasattr(host.worker, "busy_seconds"):
+            host.worker.busy_seconds += time.perf_counter() - t0
+        for ev in events:
+            self._route(ev)
+
+    def _launch(self, name: str, host: StageHost) -> None:
+        # NOTE (overlap): every stage queues its step on its own stream before any is
+        # collected, so the GPU runs the thinker, talker and code2wav steps side by side
+        try:
+            launched = host.launch()
+        except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
+            for ev in self._crashed(name, host, e):
+                self._route(ev)
+            return
+        if launched is not None:
+            self.inflight[name] = launched
+
+    def _collect_finished(self) -> None:
+        """Wait until a launched step is done; collect every done one and route its events."""
+        done = [n for n, launched in self.inflight.items() if launched.done()]
+        t0, warned = time.monotonic(), False
+        while not done:
+            time.sleep(0)  # lets other threads (the API server) run while polling
+            done = [n for n, launched in self.inflight.items() if launched.done()]
+            if not warned and time.monotonic() - t0 > STALL_WARNING_SECONDS:
+                warned = True
+                log.error("no stage step finished in %.0f s: %s", STALL_WARNING_SECONDS,
+                          {n: self.local[n].worker.gpu.describe() for n in self.inflight
+                           if hasattr(self.local[n].worker, "gpu")})
+        for name in done:
+            launched, host = self.inflight.pop(name), self.local[name]
             try:
-                events = host.step()
+                events = host.collect(launched)
             except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
-                log.exception("stage %s crashed; failing its requests and restarting it", name)
-                self.stage_errors[name] += 1
-                events = host.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
+                events = self._crashed(name, host, e)
             if hasattr(host.worker, "busy_seconds"):
-                host.worker.busy_seconds += time.perf_counter() - t0
+                host.worker.busy_seconds += launched.busy_seconds()
             for ev in events:
                 self._route(ev)
+
+    def _crashed(self, name: str, host: StageHost, e: Exception) -> list[StageEvent]:
+        log.exception("stage %s crashed; failing its requests", name, exc_info=e)
+        self.stage_errors[name] += 1
+        self.inflight.pop(name, None)
+        return host.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
 
     def _drain_control(self, block: bool) -> None:
         try:

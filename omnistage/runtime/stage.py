@@ -11,8 +11,11 @@ next to the downstream model). Hidden rows never reach the orchestrator."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +41,84 @@ class StageEvent:
     error: str | None = None
 
 
+@dataclass
+class LaunchedStep:
+    """A stage step whose GPU work is queued (launch); its events come with collect, which
+    the orchestrator calls once done() so the stages' GPU work overlaps."""
+
+    state: Any  # what the worker's collect() needs; None: finished at launch
+    events: list[StageEvent] = field(default_factory=list)  # known at launch (collect adds them)
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    wall_seconds: float = 0.0  # host time of the launch
+
+    def done(self) -> bool:
+        return self.end is None or self.end.query()
+
+    def busy_seconds(self) -> float:
+        """GPU time from launch to the end of its work (once done), else the launch's host
+        time."""
+        if self.end is None:
+            return self.wall_seconds
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+class StageStream:
+    """The CUDA stream a stage launches its work on (a no-op on the CPU). AR stages take a
+    high priority: their small latency-bound decode kernels go ahead of code2wav's big ones.
+
+    NOTE: the orchestrator moves data between stages on the default stream (links), so each
+    launch first waits for the default stream's queued work; tensors a launch reads from other
+    streams are kept alive by its LaunchedStep until collect."""
+
+    _shared: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+    def __init__(self, device: torch.device, high_priority: bool = False,
+                 share: str | None = None) -> None:
+        # share: stages of one share name queue on one stream (in launch order, no contention)
+        self.stream = None
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                  else device.index)
+            key = (device, share or "")
+            stream = self._shared.get(key) if share else None
+            if stream is None:
+                stream = torch.cuda.Stream(device, priority=-1 if high_priority else 0)
+                if share:
+                    self._shared[key] = stream
+            self.stream = stream
+
+    @contextmanager
+    def active(self, launch: bool) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        if launch:
+            self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def describe(self) -> dict[str, Any]:
+        """Whether this stream and the default stream have finished their queued work."""
+        if self.stream is None:
+            return {}
+        return {"stream_idle": self.stream.query(), "priority": self.stream.priority,
+                "default_stream_idle": torch.cuda.default_stream(self.stream.device).query()}
+
+    def event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on this stream now (None on the CPU)."""
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def launched(self, state: Any, start: torch.cuda.Event | None, t0: float,
+                 events: list[StageEvent] | None = None) -> LaunchedStep:
+        return LaunchedStep(state, events or [], start, self.event(), time.perf_counter() - t0)
+
+
 class StageWorker(Protocol):
     name: str
 
@@ -59,6 +140,11 @@ class ARStageWorker:
 
     def __init__(self, name: str, engine: AREngine) -> None:
         self.name, self.engine = name, engine
+        self.device = engine.runner.device
+        # AR stages share one high-priority stream: run side by side, thinker and talker
+        # decode steps (both bound by memory bandwidth) only slowed each other down (H100)
+        self.gpu = StageStream(self.device, high_priority=True,
+                               share=os.environ.get("OMNISTAGE_AR_STREAM", "shared") or None)
         self.last_batch_size = 0
         self.busy_seconds = 0.0
         self.stalled = False  # the last step scheduled nothing (e.g. gated on upstream rows)
@@ -73,9 +159,20 @@ class ARStageWorker:
         return self.engine.has_unfinished()
 
     def step(self) -> list[StageEvent]:
-        steps = self.engine.num_steps
-        updates = self.engine.step()
-        self.stalled = self.engine.num_steps == steps
+        launched = self.launch()
+        return [] if launched is None else self.collect(launched)
+
+    def launch(self) -> LaunchedStep | None:
+        t0 = time.perf_counter()
+        with self.gpu.active(launch=True):
+            start = self.gpu.event()
+            batch = self.engine.launch()
+            self.stalled = batch is None
+            return None if batch is None else self.gpu.launched(batch, start, t0)
+
+    def collect(self, launched: LaunchedStep) -> list[StageEvent]:
+        with self.gpu.active(launch=False):
+            updates = self.engine.collect(launched.state)
         self.last_batch_size = len(updates)
         return [StageEvent(self.name, u.request_id, u.new_token_ids, u.new_text, u.hidden,
                            finished=u.finished, finish_reason=u.finish_reason, error=u.error)
@@ -171,6 +268,19 @@ class StageHost:
 
     def step(self) -> list[StageEvent]:
         return self._forward(self.worker.step())
+
+    def launch(self) -> LaunchedStep | None:
+        """Queue a step's GPU work (workers without launch/collect step at once)."""
+        launch = getattr(self.worker, "launch", None)
+        if launch is None:
+            t0 = time.perf_counter()
+            events = self.worker.step()
+            return LaunchedStep(None, events, wall_seconds=time.perf_counter() - t0)
+        return launch()
+
+    def collect(self, launched: LaunchedStep) -> list[StageEvent]:
+        collect = getattr(self.worker, "collect", None)
+        return self._forward(list(launched.events) if collect is None else collect(launched))
 
     def fail_all(self, error: str) -> list[StageEvent]:
         return self._forward(self.worker.fail_all(error))

@@ -122,16 +122,16 @@ def test_32_concurrent_mixed_requests_with_aborts(tiny_omni_dir):
 
 def test_stage_crash_fails_its_requests_and_recovers(tiny_omni_dir):
     llm = OmniLLM(str(tiny_omni_dir))
-    talker = llm.pipeline.workers["talker"]
-    real_step = talker.step
+    engine = llm.pipeline.workers["talker"].engine
+    real_launch = engine.launch  # what a step runs first, with or without overlap
     crashes = {"left": 1}
 
-    def flaky_step():
+    def flaky_launch():
         if crashes["left"]:
             crashes["left"] -= 1
             raise RuntimeError("injected fault")
-        return real_step()
-    talker.step = flaky_step
+        return real_launch()
+    engine.launch = flaky_launch
     msg = {"messages": tiny_omni_test_messages()["text_only"]}
     t0 = time.time()
     out = llm.generate(msg, speech_params(6, 16), use_tqdm=False)[0]

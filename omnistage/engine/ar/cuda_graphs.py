@@ -80,6 +80,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # forward graphs
         self.heads: dict[tuple, _Graph | None] = {}  # None: capture failed
         self.pool = None
+        self.capture_stream = torch.cuda.Stream(device)
         self.copied = torch.cuda.Event()
         self.sampled = torch.cuda.Event()
 
@@ -216,7 +217,12 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: a CUDA call of another thread (a front end) cannot break the capture.
+        # Our own capture stream: cuBLAS keeps a workspace per stream and a graph bakes in the
+        # one of the stream it was captured on; graphs of stages that replay side by side (on
+        # their own streams) must not share one (split-K semaphores there: a GPU hang).
+        with torch.cuda.graph(g, pool=self.pool, stream=self.capture_stream,
+                              capture_error_mode="thread_local"):
             out = fn(False)
         return _Graph(g, out)
 

@@ -9,7 +9,7 @@ import torch
 
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import DetokState, detokenize_step, find_stop
-from omnistage.engine.ar.model_runner import ModelRunner
+from omnistage.engine.ar.model_runner import LaunchedBatch, ModelRunner
 from omnistage.engine.ar.scheduler import EngineConfig, Scheduler
 from omnistage.engine.ar.sequence import Sequence
 
@@ -77,13 +77,25 @@ class AREngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[SequenceUpdate]:
+        launched = self.launch()
+        return [] if launched is None else self.collect(launched)
+
+    def launch(self) -> LaunchedBatch | None:
+        """Schedule and queue one step's GPU work (None: nothing to run). collect() must
+        follow before the next launch()."""
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
-        result = self.runner.execute(batch)
+            return None
         self.num_steps += 1
+        return self.runner.launch(batch)
+
+    def collect(self, launched: LaunchedBatch) -> list[SequenceUpdate]:
+        """The launched step's tokens -> sequence updates (waits for its GPU work)."""
+        batch, result = launched.batch, self.runner.finish(launched)
         updates = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
+            if self.seqs.get(seq.request_id) is not seq:  # aborted while the step ran
+                continue
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             token = result.sampled.get(seq.request_id)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
-from omnistage.engine.ar.sampler import SamplerState, SamplingFlags, SamplingTensors, sample
+from omnistage.engine.ar.sampler import (SamplerState, SamplingFlags, SamplingTensors,
+                                         StepSampling, sample)
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.interface import ForwardBatch
@@ -28,6 +29,21 @@ CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks
 class StepResult:
     sampled: dict[str, int]  # request_id -> new token (seqs that reached the end of their tokens)
     hidden: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, rows [n, D])
+
+
+@dataclass
+class LaunchedBatch:
+    """A step whose GPU work is queued (ModelRunner.launch -> finish). `result` is set when the
+    step already ran to completion; else `partial` holds its exported rows and finish() adds
+    the tokens."""
+
+    batch: ScheduledBatch
+    result: StepResult | None = None
+    partial: StepResult | None = None
+    sampling: StepSampling | None = None
+    sample_rows: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # legacy sampler: logits graph output
+    inputs: list = field(default_factory=list)
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -173,14 +189,42 @@ class ModelRunner:
         return torch.cat(parts)
 
     # ---------------------------------------------------------------- step
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        return self.finish(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedBatch:
+        """Queue the step's GPU work. A graphed decode returns before the GPU is done (its
+        tokens come back with finish()); other steps run to completion here."""
         pending = [s for s in batch.seqs if s.pending_media is not None]
         if pending:  # encoders run once per step over every prompt that needs them
             self.model.encode_media(pending)
         if (self.graphs is not None and not pending
                 and self.graphs.can_run(batch.seqs, batch.num_tokens)):
-            return self._execute_graph(batch)
+            return self._launch_graph(batch)
+        return LaunchedBatch(batch, result=self._execute_eager(batch))
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedBatch) -> StepResult:
+        """The launched step's tokens and exported rows (waits for its GPU work)."""
+        if launched.result is not None:
+            return launched.result
+        batch, result, srows = launched.batch, launched.partial, launched.sample_rows
+        seqs = batch.seqs
+        if launched.sampling is not None:
+            drawn = self.graphs.sampled_tokens(len(seqs))
+            tokens = [drawn[r] for r in srows]
+            self.sampler.commit(launched.sampling, tokens)
+        elif srows:
+            logits = launched.logits
+            tokens = self._sample_eager([seqs[r] for r in srows],
+                                        logits[srows] if len(srows) < len(seqs) else logits)
+        else:
+            tokens = []
+        result.sampled = {seqs[r].request_id: t for r, t in zip(srows, tokens)}
+        return result
+
+    def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
         fb, sample_rows = self.prepare(batch)
         hidden = self.model(fb)
         self.num_forwards += 1
@@ -193,7 +237,7 @@ class ModelRunner:
             result.sampled = {s.request_id: t for s, t in zip(samplers, tokens)}
         return result
 
-    def _execute_graph(self, batch: ScheduledBatch) -> StepResult:
+    def _launch_graph(self, batch: ScheduledBatch) -> LaunchedBatch:
         # decode-only: one row per sequence, replayed from the graphs of the padded size
         seqs = batch.seqs
         rows = [_input_rows(s, s.num_computed_tokens, s.num_computed_tokens + 1) for s in seqs]
@@ -204,18 +248,10 @@ class ModelRunner:
                                          step, logits=bool(srows) and legacy)
         self.num_forwards += 1
         # graph outputs are overwritten by the next replay: exported rows are cloned
-        result = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
-        if step is not None:
-            drawn = self.graphs.sampled_tokens(len(seqs))
-            tokens = [drawn[r] for r in srows]
-            self.sampler.commit(step, tokens)
-        elif srows:
-            tokens = self._sample_eager([seqs[r] for r in srows],
-                                        logits[srows] if len(srows) < len(seqs) else logits)
-        else:
-            tokens = []
-        result.sampled = {seqs[r].request_id: t for r, t in zip(srows, tokens)}
-        return result
+        partial = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
+        # rows: the GPU may still read them; they live until finish()
+        return LaunchedBatch(batch, partial=partial, sampling=step, sample_rows=srows,
+                             logits=logits, inputs=rows)
 
     def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
         # logits: [len(samplers), V] fp32

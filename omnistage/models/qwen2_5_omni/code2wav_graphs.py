@@ -129,6 +129,7 @@ class Qwen2_5OmniCode2WavDecoder:
         self.dit_graphs: dict[tuple[int, int], _Graph] = {}
         self.voc_graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
         self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
 
@@ -225,7 +226,9 @@ class Qwen2_5OmniCode2WavDecoder:
         reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other stages' threads may use the GPU while this one captures
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # own capture stream: its cuBLAS workspace is this decoder's alone (cuda_graphs.py)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+                              capture_error_mode="thread_local"):
             out = fn()
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0

@@ -10,6 +10,7 @@ padded windows, and on CUDA one CUDA graph per (batch bucket, window width) for 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavSt
                                                            Qwen2_5OmniCode2WavStreamConfig)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.registry import register_model
-from omnistage.runtime.stage import StageEvent
+from omnistage.runtime.stage import LaunchedStep, StageEvent, StageStream
 
 register_model("Qwen2_5OmniToken2Wav")(Qwen2_5OmniToken2Wav)
 
@@ -51,6 +52,7 @@ class Qwen2_5OmniCode2WavStage:
         self.requests: dict[str, Code2WavRequest] = {}
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
+        self.gpu = StageStream(device)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
                                 "compile": compile}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
@@ -103,29 +105,56 @@ class Qwen2_5OmniCode2WavStage:
         return any(self._ready(r) for r in self.requests.values())
 
     def step(self) -> list[StageEvent]:
-        ready = [(rid, r) for rid, r in self.requests.items() if self._ready(r)][:MAX_BATCH]
+        launched = self.launch()
+        return [] if launched is None else self.collect(launched)
+
+    def launch(self) -> LaunchedStep | None:
+        """Queue the next chunk of up to MAX_BATCH ready requests, earliest chunk first (a new
+        request's first audio goes ahead of later chunks of older ones)."""
+        t0 = time.perf_counter()
+        ready = sorted(((rid, r) for rid, r in self.requests.items() if self._ready(r)),
+                       key=lambda item: item[1].next_chunk)[:MAX_BATCH]
         events = []
         for rid, r in ready:
             if r.codes_finished and not r.codes:  # nothing to say: an empty utterance
                 del self.requests[rid]
                 events.append(StageEvent(self.name, rid, finished=True, finish_reason="stop"))
         ready = [(rid, r) for rid, r in ready if r.codes]
-        if ready:
-            self.batch_sizes.append(len(ready))
-            decode = self._stream_step if self.stream_config is not None else self._whole_step
-            events += decode(ready)
-        return events
+        if not ready:
+            return LaunchedStep(None, events) if events else None
+        self.batch_sizes.append(len(ready))
+        with self.gpu.active(launch=True):
+            start = self.gpu.event()
+            if self.stream_config is None:
+                return LaunchedStep(None, events + self._whole_step(ready), start,
+                                    self.gpu.event(), time.perf_counter() - t0)
+            chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready])
+            wav = torch.cat([c.waveform.float() for c in chunks])
+            # one copy into pinned memory: collect() reads it once the stream gets there
+            host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
+            host.copy_(wav, non_blocking=True)
+            state = (ready, [c.waveform.shape[0] for c in chunks], host)
+            return self.gpu.launched(state, start, t0, events)
 
-    def _stream_step(self, ready: list[tuple[str, Code2WavRequest]]) -> list[StageEvent]:
-        chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready])
-        events = []
-        for (rid, r), wav in zip(ready, (c.waveform for c in chunks)):
+    def collect(self, launched: LaunchedStep) -> list[StageEvent]:
+        """The launched step's events (its chunks' audio once the GPU is done)."""
+        events = list(launched.events)
+        if launched.state is None:  # finished at launch (one-shot, empty utterances)
+            return events
+        ready, lengths, host = launched.state
+        if launched.end is not None:
+            launched.end.synchronize()
+        off = 0
+        for (rid, r), n in zip(ready, lengths):
+            wav, off = host[off:off + n].numpy().copy(), off + n
+            if self.requests.get(rid) is not r:  # aborted while the chunk ran
+                continue
             r.next_chunk += 1
             last = r.stream.num_chunks() == r.next_chunk
             if last:
                 del self.requests[rid]
-            events.append(StageEvent(self.name, rid, audio=wav.float().cpu().numpy(),
-                                     finished=last, finish_reason="stop" if last else None))
+            events.append(StageEvent(self.name, rid, audio=wav, finished=last,
+                                     finish_reason="stop" if last else None))
         return events
 
     def _whole_step(self, ready: list[tuple[str, Code2WavRequest]]) -> list[StageEvent]:

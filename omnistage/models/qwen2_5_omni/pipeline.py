@@ -87,7 +87,6 @@ class Qwen2_5OmniPipeline:
             self.default_params[sk.name] = sk.default_sampling.apply(
                 talker_default_params(self.codec_ids))
             self.default_params[sc.name] = SamplingParams()
-            self.code2wav_device = self._placement(sc, device, dtype)[0]
         # stages, in pipeline order: a worker built here, or the spec of a stage process
         self.workers: dict[str, Any] = {}
         self.process_stages: dict[str, StageProcessSpec] = {}
@@ -239,9 +238,9 @@ class Qwen2_5OmniPipeline:
             list(seq.prompt_token_ids), [(m.start, m.end) for m in seq.media], v["bos_token"],
             self.text_ids, self.talker_handoff)
         talker_seq = talker_sequence(seq.request_id, seq, adapter, self.codec_ids, tp, tseed)
-        # a stage process moves the voice to its device itself (no CUDA in the front end)
-        dev = self.code2wav_device if names["code2wav"] in self.workers else "cpu"
-        c2w = Code2WavRequest(v["cond"].to(dev), v["ref_mel"].to(dev), cseed)
+        # the stage moves the voice to its device at submit, on the runtime's thread: the front
+        # end (any thread) makes no CUDA calls, which could meet a graph capture there
+        c2w = Code2WavRequest(v["cond"], v["ref_mel"], cseed)
         to_code2wav = ADAPTER_REGISTRY[self.roles["code2wav"].inputs[0].adapter](
             tp.stop_token_ids)
         req.path += [names["talker"], names["code2wav"]]

@@ -6,7 +6,9 @@ at the sequence ends, so a batch must hold mels of one length (the caller groups
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -49,6 +51,28 @@ class Qwen2_5OmniSnakeBeta(nn.Module):
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
 
 
+@functools.cache
+def _triton_kernels() -> Any:
+    """bigvgan_triton (the fused activation), or None where triton is missing."""
+    try:
+        from omnistage.models.qwen2_5_omni import bigvgan_triton
+    except ImportError:
+        return None
+    return bigvgan_triton
+
+
+def _triton_variant(x: torch.Tensor, act: Qwen2_5OmniSnakeBeta) -> str | None:
+    """The fused Triton kernel's variant for this call (None: the torch path). It serves CUDA
+    inference (it has no backward). OMNISTAGE_BIGVGAN_TRITON: 0 = off, recompute / gather =
+    that variant, else the default one; read per call (host only: CUDA-graph safe)."""
+    mode = os.environ.get("OMNISTAGE_BIGVGAN_TRITON", "1")
+    if not x.is_cuda or mode == "0" or (kernels := _triton_kernels()) is None:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or act.alpha.requires_grad):
+        return None
+    return mode if mode in kernels.VARIANTS else kernels.DEFAULT_VARIANT
+
+
 class Qwen2_5OmniAntiAliasedSnake(nn.Module):
     """Snake at twice the sample rate: 2x upsample, activation, 2x downsample (12-tap filters)."""
 
@@ -59,6 +83,10 @@ class Qwen2_5OmniAntiAliasedSnake(nn.Module):
         self.register_buffer("filter", _kaiser_lowpass(0.25, 0.3, taps), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, L] -> [B, C, L]
+        variant = _triton_variant(x, self.act) if self.taps == 12 else None
+        if variant is not None:
+            return _triton_kernels().anti_aliased_snake(x, self.act.alpha, self.act.beta,
+                                                        self.filter, variant)
         c, k = x.shape[1], self.taps
         w = self.filter.to(x.dtype).expand(c, 1, k)
         pad = k // 2 - 1
