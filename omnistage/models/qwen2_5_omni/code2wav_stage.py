@@ -53,6 +53,9 @@ class Qwen2_5OmniCode2WavStage:
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
         self.gpu = StageStream(device)
+        # a step with a request's first chunk runs ahead of the AR stages: it is that
+        # request's time to first audio (later chunks have the audio already out as slack)
+        self.gpu_first = StageStream(device, high_priority=True)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
                                 "compile": compile}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
@@ -123,18 +126,19 @@ class Qwen2_5OmniCode2WavStage:
         if not ready:
             return LaunchedStep(None, events) if events else None
         self.batch_sizes.append(len(ready))
-        with self.gpu.active(launch=True):
-            start = self.gpu.event()
+        gpu = self.gpu_first if any(r.next_chunk == 0 for _, r in ready) else self.gpu
+        with gpu.active(launch=True):  # (the previous step was collected: done on the GPU)
+            start = gpu.event()
             if self.stream_config is None:
-                return LaunchedStep(None, events + self._whole_step(ready), start,
-                                    self.gpu.event(), time.perf_counter() - t0)
+                return LaunchedStep(None, events + self._whole_step(ready), start, gpu.event(),
+                                    time.perf_counter() - t0)
             chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready])
             wav = torch.cat([c.waveform.float() for c in chunks])
             # one copy into pinned memory: collect() reads it once the stream gets there
             host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
             host.copy_(wav, non_blocking=True)
             state = (ready, [c.waveform.shape[0] for c in chunks], host)
-            return self.gpu.launched(state, start, t0, events)
+            return gpu.launched(state, start, t0, events)
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
         """The launched step's events (its chunks' audio once the GPU is done)."""
