@@ -32,6 +32,8 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks.common import sync, timed
+
 try:
     import soundfile  # noqa: F401
 except ImportError:  # the GPU machine lacks it; nothing here reads audio files
@@ -54,24 +56,6 @@ def bigvgan_config(small: bool) -> dict:
         return dict(mel_dim=80, upsample_initial_channel=1536, resblock_kernel_sizes=[3, 7, 11],
                     resblock_dilation_sizes=[[1, 3, 5]] * 3, upsample_rates=[5, 3, 2, 2, 2, 2],
                     upsample_kernel_sizes=[11, 7, 4, 4, 4, 4])
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of fn over reps calls (after one untimed call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - t))
-    return round(sorted(times)[len(times) // 2], 3)
 
 
 def err(x: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -36,9 +36,13 @@ except ImportError:  # the GPU machine lacks it; nothing here reads audio files
     sys.modules["soundfile"] = types.ModuleType("soundfile")
     sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
 
+from benchmarks.common import sync, timed  # noqa: E402
 from omnistage.models.qwen2_5_omni.code2wav_graphs import Qwen2_5OmniCode2WavDecoder  # noqa: E402
 from omnistage.models.qwen2_5_omni.code2wav_stream import (  # noqa: E402
-    Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig, decode_chunks_with_mel)
+    Qwen2_5OmniCode2WavStream,
+    Qwen2_5OmniCode2WavStreamConfig,
+    decode_chunks_with_mel,
+)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav  # noqa: E402
 
 SR, HOP, CODES = 24000, 240, 1024
@@ -55,24 +59,6 @@ def token2wav_config(small: bool) -> dict:
         return cfg
     cfg = Qwen2_5OmniConfig(token2wav_config=dict(dit_config=dict(num_embeds=8448)))
     return cfg.to_dict()["token2wav_config"]
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of fn over reps calls (after one untimed call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - t))
-    return round(sorted(times)[len(times) // 2], 2)
 
 
 def snr_db(x: torch.Tensor, ref: torch.Tensor) -> float:

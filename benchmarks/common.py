@@ -17,3 +17,24 @@ def write_result(result: dict, out: str | None, load_before: tuple[float, float,
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
+
+
+def sync() -> None:
+    """Wait for the GPU (if any): timings below cover the queued work."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int, digits: int = 3) -> float:
+    """Median ms of fn over reps calls (after one untimed call)."""
+    import time
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t))
+    return round(sorted(times)[len(times) // 2], digits)
