@@ -141,8 +141,8 @@ class ARStageWorker:
     def __init__(self, name: str, engine: AREngine) -> None:
         self.name, self.engine = name, engine
         self.device = engine.runner.device
-        # AR stages share one high-priority stream: run side by side, thinker and talker
-        # decode steps (both bound by memory bandwidth) only slowed each other down (H100)
+        # AR stages share one high-priority stream: on streams of their own, the thinker's and
+        # talker's decode steps (both bound by memory bandwidth) only slowed each other (H100)
         self.gpu = StageStream(self.device, high_priority=True,
                                share=os.environ.get("OMNISTAGE_AR_STREAM", "shared") or None)
         self.last_batch_size = 0
