@@ -41,9 +41,9 @@ from omnistage.engine.ar.scheduler import EngineConfig  # noqa: E402
 from omnistage.engine.ar.sequence import Sequence  # noqa: E402
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM  # noqa: E402
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM  # noqa: E402
-from omnistage.sampling_params import SamplingParams  # noqa: E402
-from omnistage.testing.input_rows import RandomInputRows  # noqa: E402
 from benchmarks.hf_omni_gpu import build, omni_config  # noqa: E402  (the same 7B shapes)
+from benchmarks.qwen2_5_omni_gpu import sync, talker_seqs  # noqa: E402
+from benchmarks.qwen2_5_omni_gpu import thinker_seqs as prompt_seqs  # noqa: E402
 
 WARM = 4  # tokens per sequence before timing (prefill, graph captures)
 
@@ -51,28 +51,7 @@ WARM = 4  # tokens per sequence before timing (prefill, graph captures)
 def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(20, min(vocab, 100000) - 1, (60,), generator=g).tolist()
-    p = SamplingParams(temperature=0, min_tokens=n, max_tokens=n)
-    pos = torch.arange(len(prompt)).expand(3, -1).clone()
-    return [Sequence(f"{tag}-{i}", list(prompt), p, seed=i, mrope_positions=pos)
-            for i in range(B)]
-
-
-def talker_seqs(talker, B: int, n: int, tag: str, dev, dtype) -> list[Sequence]:
-    c, prompt_len = talker.codec_ids, 60
-    ids = [c["mask"]] * prompt_len + [c["pad"], c["start"]]
-    base = talker.default_params()
-    p = SamplingParams(**{**base.__dict__, "min_tokens": n, "max_tokens": n})
-    width = talker.model.embed_tokens.weight.shape[1]
-    return [Sequence(f"{tag}-{i}", ids, p, seed=100 + i,
-                     mrope_positions=torch.arange(len(ids)).expand(3, -1).clone(),
-                     input_source=RandomInputRows(prompt_len, width, 7, dev, dtype,
-                                                                  scale=0.02), cacheable=False)
-            for i in range(B)]
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    return prompt_seqs(prompt, n, B, tag)
 
 
 def measure(engine: AREngine, seqs: list[Sequence], steps: int, legacy: bool, dev) -> dict:
@@ -186,7 +165,7 @@ def main() -> None:
         talker = build(Qwen2_5OmniTalkerForCausalLM, cfg["talker_config"], dev, dtype)
         eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=8,
                                             num_kv_blocks=512), dev, dtype)
-        section(res, "talker", eng, lambda B, tag: talker_seqs(talker, B, n, tag, dev, dtype),
+        section(res, "talker", eng, lambda B, tag: talker_seqs(talker, 60, n, B, tag, dev, dtype),
                 (1, 8), args.steps, dev)
     except Exception as e:  # noqa: BLE001
         res["talker_error"] = f"{type(e).__name__}: {e}"

@@ -306,8 +306,8 @@ class Orchestrator:
             self._route(ev)
 
     def _launch(self, name: str, host: StageHost) -> None:
-        # NOTE (overlap): every stage queues its step on its own stream before any is
-        # collected, so the GPU runs the thinker, talker and code2wav steps side by side
+        # NOTE (overlap): every stage queues its step (StageStream) before any is collected,
+        # so code2wav's chunks run on the GPU beside the thinker's and talker's decode steps
         try:
             launched = host.launch()
         except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
