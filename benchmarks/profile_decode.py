@@ -3,9 +3,11 @@ graphs): thinker greedy ms/token at batch 1/8/32 and talker ms/code at batch 1/8
 talker's sampling params (temperature 0.9, top_k 40, top_p 0.8, repetition penalty 1.05,
 suppressed codec bos, min_tokens holding back the stop codes), each with the device-state
 sampler inside the graphs ("device") and the older host-built sampler ("legacy",
-OMNISTAGE_DEVICE_SAMPLER=0). Per case: step_ms (whole engine step, wall clock), run_ms (CUDA
-events around the graph runner: input fill + replays), replay_ms (the step's graphs replayed
-back to back, GPU only), and whether the first tokens equal the legacy path's.
+OMNISTAGE_DEVICE_SAMPLER=0). Per case: step_ms (whole engine step, wall clock, with async
+scheduling: each step launched before the previous one's tokens are read), step_ms_sync (the
+same without async scheduling), run_ms (CUDA events around the graph runner, synchronized:
+input fill + replays), replay_ms (the step's graphs replayed back to back, GPU only), and
+whether the first tokens equal the legacy path's.
 Prints one JSON object; a failing case records its error and the others still run.
 
     python benchmarks/profile_decode.py [--steps 100] [--profile] [--tiny]
@@ -46,6 +48,7 @@ from benchmarks.qwen2_5_omni_gpu import sync, talker_seqs  # noqa: E402
 from benchmarks.qwen2_5_omni_gpu import thinker_seqs as prompt_seqs  # noqa: E402
 
 WARM = 4  # tokens per sequence before timing (prefill, graph captures)
+RUN_STEPS = 20  # steps with the synchronized timer around each graph run
 
 
 def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
@@ -61,14 +64,27 @@ def measure(engine: AREngine, seqs: list[Sequence], steps: int, legacy: bool, de
     while min(len(s.output_token_ids) for s in seqs) < WARM:
         engine.step()
     graphs = engine.runner.graphs
+    res = {}
+    for key, ahead in (("step_ms", True), ("step_ms_sync", False)):
+        engine.async_scheduling = ahead
+        sync(dev)
+        t0, n0 = time.perf_counter(), engine.num_ahead_steps
+        for _ in range(steps):
+            engine.step()
+        sync(dev)
+        res[key] = round(1e3 * (time.perf_counter() - t0) / steps, 3)
+        if ahead:
+            res["ahead_steps"] = engine.num_ahead_steps - n0
+    engine.async_scheduling = True
+    res["tokens"] = list(seqs[0].output_token_ids[:32])
     run_ms, keys = [], []
-    if graphs is not None:  # CUDA events around the graph runner; which graphs it replayed
+    if graphs is not None and dev.type == "cuda":  # CUDA events around the graph runner
         real_run = graphs.run
 
-        def timed_run(seqs_, e_rows, a_rows, sampling=None, logits=False):
+        def timed_run(seqs_, e_rows, a_rows, sampling=None, logits=False, ahead=0):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = real_run(seqs_, e_rows, a_rows, sampling, logits)
+            out = real_run(seqs_, e_rows, a_rows, sampling, logits, ahead)
             end.record()
             end.synchronize()
             run_ms.append(start.elapsed_time(end))
@@ -78,14 +94,8 @@ def measure(engine: AREngine, seqs: list[Sequence], steps: int, legacy: bool, de
                          (B, sampling.flags if sampling is not None else None)))
             return out
         graphs.run = timed_run
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(dev)
-    res = {"step_ms": round(1e3 * (time.perf_counter() - t0) / steps, 3),
-           "tokens": list(seqs[0].output_token_ids[:32])}
-    if graphs is not None:
+        for _ in range(RUN_STEPS):
+            engine.step()
         graphs.run = real_run
         res["run_ms"] = round(sum(run_ms) / max(1, len(run_ms)), 3)
         res["graph_steps"] = len(run_ms)
@@ -130,7 +140,7 @@ def main() -> None:
     cfg = omni_config(args.tiny)
     res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                  "steps": args.steps}
-    n = WARM + args.steps + 8  # min_tokens = max_tokens: never stops while measured
+    n = WARM + 2 * args.steps + RUN_STEPS + 8  # min_tokens = max_tokens: never stops here
     try:
         thinker = build(Qwen2_5OmniThinkerForCausalLM, cfg["thinker_config"], dev, dtype)
         eng = AREngine(thinker, EngineConfig(max_model_len=1024, max_num_seqs=32,

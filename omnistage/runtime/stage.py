@@ -148,6 +148,7 @@ class ARStageWorker:
         self.last_batch_size = 0
         self.busy_seconds = 0.0
         self.stalled = False  # the last step scheduled nothing (e.g. gated on upstream rows)
+        self._queued: LaunchedStep | None = None  # the engine's step launched ahead
 
     def submit(self, request_id: str, request: Sequence) -> None:
         self.engine.add_request(request)
@@ -163,12 +164,23 @@ class ARStageWorker:
         return [] if launched is None else self.collect(launched)
 
     def launch(self) -> LaunchedStep | None:
+        """The engine's next step, then (async scheduling) the one after it queued behind it;
+        each step gets its own end event, so this one is collected as soon as it is done."""
         t0 = time.perf_counter()
         with self.gpu.active(launch=True):
+            queued, self._queued = self._queued, None
             start = self.gpu.event()
             batch = self.engine.launch()
             self.stalled = batch is None
-            return None if batch is None else self.gpu.launched(batch, start, t0)
+            if batch is None:
+                return None
+            step = queued if queued is not None and queued.state is batch else \
+                self.gpu.launched(batch, start, t0)
+            t1, start = time.perf_counter(), self.gpu.event()
+            ahead = self.engine.launch_ahead(batch)
+            if ahead is not None:
+                self._queued = self.gpu.launched(ahead, start, t1)
+            return step
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
         with self.gpu.active(launch=False):
@@ -180,6 +192,8 @@ class ARStageWorker:
 
     def fail_all(self, error: str) -> list[StageEvent]:
         """After a crash: end every request of this stage with `error`, freeing their blocks."""
+        self._queued = None
+        self.engine.drop_ahead()
         events = []
         for rid in list(self.engine.seqs):
             u = self.engine.fail(rid, error)
@@ -193,7 +207,8 @@ class ARStageWorker:
         return {"queue": s["num_waiting"], "running": s["num_running"],
                 "batch_size": self.last_batch_size, "free_kv_blocks": s["num_free_blocks"],
                 "kv_blocks": s["num_kv_blocks"], "busy_seconds": self.busy_seconds,
-                "steps": s["num_steps"], "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
+                "steps": s["num_steps"], "ahead_steps": s["num_ahead_steps"],
+                "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
                 "preemptions": s["num_preemptions"]}
 
 

@@ -5,6 +5,7 @@ leaves nothing behind."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from omnistage import OmniLLM, SamplingParams
 from omnistage.engine.ar.sequence import Sequence
@@ -19,8 +20,11 @@ def _params(seed: int) -> dict:
                                      suppress_token_ids=[121], seed=seed + 100)}
 
 
-def _run(tiny_omni_dir, monkeypatch, overlap: str):
+def _run(tiny_omni_dir, monkeypatch, overlap: str, graphs: str = "0"):
+    # graphs "eager": the AR stages take the decode-graph path (uncaptured on the CPU), where
+    # async scheduling launches each decode step before the previous one's tokens are read
     monkeypatch.setenv("OMNISTAGE_OVERLAP", overlap)
+    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", graphs)
     llm = OmniLLM(str(tiny_omni_dir))
     assert llm.runtime.overlap == (overlap == "1")
     llm.runtime.trace = []
@@ -32,9 +36,14 @@ def _run(tiny_omni_dir, monkeypatch, overlap: str):
     return outs, trace, stats
 
 
-def test_overlapped_steps_give_the_serial_outputs(tiny_omni_dir, monkeypatch):
-    serial, _, _ = _run(tiny_omni_dir, monkeypatch, "0")
-    overlapped, trace, stats = _run(tiny_omni_dir, monkeypatch, "1")
+@pytest.mark.parametrize("graphs", ["0", "eager"])
+def test_overlapped_steps_give_the_serial_outputs(tiny_omni_dir, monkeypatch, graphs):
+    serial, _, serial_stats = _run(tiny_omni_dir, monkeypatch, "0")
+    overlapped, trace, stats = _run(tiny_omni_dir, monkeypatch, "1", graphs)
+    assert serial_stats["talker"]["ahead_steps"] == 0
+    if graphs == "eager":  # most decode steps of both AR stages went ahead
+        for name in ("thinker", "talker"):
+            assert stats[name]["ahead_steps"] > stats[name]["steps"] // 2, stats[name]
     for a, b in zip(serial, overlapped, strict=True):
         assert b.error is None and len(b.token_ids) == 12
         assert a.token_ids == b.token_ids and a.text == b.text

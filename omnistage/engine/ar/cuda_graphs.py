@@ -10,11 +10,18 @@ the block manager's range. Two graphs per step, replayed back to back:
     one D2H copy of B ints. Head key (size, None) = logits only (the legacy host sampler).
 Keying heads by the flags keeps sample()'s host branches fixed per graph (same ops as eager).
 
-Static inputs live in one int32 device buffer filled from one pinned host buffer by one
+Static inputs live in one int32 device buffer filled from a pinned host buffer by one
 non_blocking copy per step: [ids M | positions 3M | slots M | seq_lens M | sample slots M |
 steps M | forced ids M | tables M x MB] (M = largest size, MB = blocks per sequence at
 max_model_len). Graphs are captured lazily and share one memory pool: everything read across
-graphs (hidden, ids, sampler state) lives outside it."""
+graphs (hidden, ids, sampler state) lives outside it.
+
+Async scheduling: a step may be launched before the previous one's tokens reached the host
+(run(..., ahead=1)); its input ids are then copied on the device from the previous step's
+sampled ids. Two steps can be in flight, so the pinned input and token buffers alternate.
+
+OMNISTAGE_CUDA_GRAPHS=eager runs this same static-buffer path without capturing (each replay
+reruns the function), on any device: the CPU tests exercise the graph path's bookkeeping."""
 
 from __future__ import annotations
 
@@ -38,9 +45,20 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def graphs_mode() -> str:
+    mode = os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1")
+    if mode not in ("0", "1", "eager"):
+        raise ValueError(f"OMNISTAGE_CUDA_GRAPHS: {mode!r}; expected 0, 1 or eager")
+    return mode
+
+
 def graphs_enabled(device: torch.device) -> bool:
-    """CUDA device, Triton attention importable, and not turned off by OMNISTAGE_CUDA_GRAPHS=0."""
-    if device.type != "cuda" or os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1") == "0":
+    """CUDA device with Triton attention (unless OMNISTAGE_CUDA_GRAPHS=0), or any device with
+    OMNISTAGE_CUDA_GRAPHS=eager."""
+    mode = graphs_mode()
+    if mode == "eager":
+        return True
+    if device.type != "cuda" or mode == "0":
         return False
     from omnistage.engine.ar.attention import _triton_ok
     return _triton_ok(device)
@@ -49,6 +67,29 @@ def graphs_enabled(device: torch.device) -> bool:
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> None:
         self.graph, self.out = graph, out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _EagerGraph:
+    """Stand-in for a captured graph (eager mode): each replay reruns the function."""
+
+    def __init__(self, fn, out: torch.Tensor) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out = self.fn(False)
+
+
+class _HostEvent:
+    """A CUDA event's no-op stand-in off the GPU (work there is done when queued)."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class DecodeGraphs:
@@ -64,11 +105,17 @@ class DecodeGraphs:
         self._off = {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "sslot": 6 * M,
                      "step": 7 * M, "force": 8 * M, "tables": 9 * M}
         total = 9 * M + M * MB
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
-        self.host_np = self.host.numpy()
+        cuda = device.type == "cuda"
+        self.capture = cuda and graphs_mode() != "eager"
+        # two of each host buffer (and its event): a step launched ahead is filled while the
+        # previous one may still be in flight
+        self.host = [torch.zeros(total, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self.host_np = [h.numpy() for h in self.host]
         self.dev = torch.zeros(total, dtype=torch.int32, device=device)
-        self._fill_padding(0)
-        self.dev.copy_(self.host)
+        for h in self.host_np:
+            self._fill_padding(h, 0)
+        self.dev.copy_(self.host[0])
+        self.num_runs = 0
         self.qsl = torch.arange(M + 1, dtype=torch.int32, device=device)
         # row buffers [M, width], allocated when a model first sends rows (width = its input's)
         self.embeds: torch.Tensor | None = None
@@ -76,13 +123,14 @@ class DecodeGraphs:
         self.additive: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None  # [M, D] forward output, outside the pool
         self.tokens = torch.zeros(M, dtype=torch.long, device=device)  # head output
-        self.tokens_host = torch.zeros(M, dtype=torch.long, pin_memory=True)
+        self.tokens_host = torch.zeros(2, M, dtype=torch.long, pin_memory=cuda)
         self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # forward graphs
         self.heads: dict[tuple, _Graph | None] = {}  # None: capture failed
         self.pool = None
-        self.capture_stream = torch.cuda.Stream(device)
-        self.copied = torch.cuda.Event()
-        self.sampled = torch.cuda.Event()
+        self.capture_stream = torch.cuda.Stream(device) if self.capture else None
+        event = torch.cuda.Event if cuda else _HostEvent
+        self.copied = [event(), event()]  # the input copy has read host[i]
+        self.sampled = [event(), event()]  # tokens_host[i] holds the run's ids
 
     # ---------------------------------------------------------------- host side
     def padded_size(self, n: int) -> int | None:
@@ -92,15 +140,10 @@ class DecodeGraphs:
         return (len(seqs) <= self.max_size and all(n == 1 for n in num_tokens)
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def _view(self, name: str, n: int):
-        o = self._off[name]
-        return self.host_np[o:o + n]
-
-    def _fill_padding(self, start: int) -> None:
-        # rows >= start: token 0 at position 0, one key in the dummy block's slot 0, sampled
-        # into the scratch slot
+    def _fill_padding(self, h, start: int) -> None:
+        # rows >= start of host buffer h: token 0 at position 0, one key in the dummy block's
+        # slot 0, sampled into the scratch slot
         M, MB, o = self.max_size, self.max_blocks, self._off
-        h = self.host_np
         h[o["ids"] + start:o["ids"] + M] = 0
         for a in range(3):
             h[o["pos"] + a * M + start:o["pos"] + (a + 1) * M] = 0
@@ -111,14 +154,13 @@ class DecodeGraphs:
         h[o["force"] + start:o["force"] + M] = -1
         h[o["tables"] + start * MB:o["tables"] + M * MB:MB] = self.dummy_block
 
-    def _fill(self, seqs, B: int, sampling: StepSampling | None) -> int:
-        """Writes the step's ints into the pinned buffer; returns how many ints to copy."""
-        self.copied.synchronize()  # the previous step's copy has read the buffer
+    def _fill(self, h, seqs, B: int, sampling: StepSampling | None, ahead: int) -> int:
+        """Writes the step's ints into host buffer h; returns how many ints to copy. ahead:
+        positions start that far past num_computed_tokens (their ids come from the device)."""
         M, MB, bs, o = self.max_size, self.max_blocks, self.block_size, self._off
-        h = self.host_np
         for r, seq in enumerate(seqs):
-            i = seq.num_computed_tokens
-            h[o["ids"] + r] = seq.token_id(i)
+            i = seq.num_computed_tokens + ahead
+            h[o["ids"] + r] = 0 if ahead else seq.token_id(i)
             table = seq.block_table
             h[o["slots"] + r] = table[i // bs] * bs + i % bs
             h[o["lens"] + r] = i + 1
@@ -136,7 +178,7 @@ class DecodeGraphs:
             h[o["sslot"]:o["sslot"] + n] = sampling.slots
             h[o["step"]:o["step"] + n] = sampling.steps
             h[o["force"]:o["force"] + n] = sampling.force
-        self._fill_padding(n)
+        self._fill_padding(h, n)
         return o["tables"] + B * MB
 
     def _stage_rows(self, embeds_rows, add_rows, B: int, has_e: bool, has_a: bool) -> None:
@@ -173,10 +215,12 @@ class DecodeGraphs:
         M, MB, o = self.max_size, self.max_blocks, self._off
         d = self.dev
         tables = d[o["tables"]:o["tables"] + M * MB].view(M, MB)[:B]
+        # seq_lens_cpu: an upper bound (read by the torch attention of the eager mode only)
         meta = AttentionMetadata(
             slot_mapping=d[o["slots"]:o["slots"] + B].long(), query_start_loc=self.qsl[:B + 1],
             seq_lens=d[o["lens"]:o["lens"] + B], block_tables=tables,
-            query_lens_cpu=[1] * B, seq_lens_cpu=[1] * B, max_query_len=1, decode_only=True)
+            query_lens_cpu=[1] * B, seq_lens_cpu=[MB * self.block_size] * B, max_query_len=1,
+            decode_only=True)
         pos = d[o["pos"]:o["pos"] + 3 * M].view(3, M)[:, :B].long()
         fb = ForwardBatch(input_ids=d[o["ids"]:o["ids"] + B].long(),
                           positions=pos if self.uses_mrope else pos[0], attn=meta)
@@ -204,7 +248,13 @@ class DecodeGraphs:
             self.tokens[:B].copy_(ids)
         return ids
 
-    def _capture(self, fn) -> _Graph:
+    def _capture(self, fn) -> _Graph | _EagerGraph:
+        if not self.capture:
+            out = fn(True)
+            if self.hidden is None:
+                self.hidden = torch.zeros(self.max_size, out.shape[-1], dtype=out.dtype,
+                                          device=self.device)
+            return _EagerGraph(fn, out)
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):  # warm-up: Triton compiles, lazy buffers settle
@@ -227,18 +277,27 @@ class DecodeGraphs:
         return _Graph(g, out)
 
     def run(self, seqs, embeds_rows, add_rows, sampling: StepSampling | None = None,
-            logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits: bool = False, ahead: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One decode step of len(seqs) sequences -> (hidden [n, D], logits [n, V] when
-        `logits`), views of static buffers (valid until the next run). With `sampling`, the
-        head graph samples every row; sampled_tokens() returns the ids."""
+        `logits`, run index), views of static buffers (valid until the next run). With
+        `sampling`, the head graph samples every row; sampled_tokens(n, run index) returns
+        the ids. ahead=1: the previous run (same sequences, same rows) has not been collected;
+        its sampled ids are this step's input ids."""
         n = len(seqs)
         B = self.padded_size(n)
         has_e = any(e is not None for e in embeds_rows)
         has_a = any(a is not None for a in add_rows)
         self._ensure_row_buffers(embeds_rows, add_rows)
-        count = self._fill(seqs, B, sampling)
-        self.dev[:count].copy_(self.host[:count], non_blocking=True)
-        self.copied.record()
+        run, k = self.num_runs, self.num_runs % 2
+        self.num_runs += 1
+        self.copied[k].synchronize()  # the copy of two runs ago has read this buffer
+        count = self._fill(self.host_np[k], seqs, B, sampling, ahead)
+        self.dev[:count].copy_(self.host[k][:count], non_blocking=True)
+        self.copied[k].record()
+        if ahead:
+            o = self._off["ids"]
+            self.dev[o:o + n].copy_(self.tokens[:n])
         key = (B, has_e, has_a)
         fwd = self.graphs.get(key)
         if fwd is None:
@@ -249,35 +308,39 @@ class DecodeGraphs:
             fwd = self.graphs[key] = self._capture(lambda warm: self._forward(B, has_e, has_a,
                                                                               warm))
         self._stage_rows(embeds_rows, add_rows, B, has_e, has_a)
-        fwd.graph.replay()
+        fwd.replay()
         out = None
         if sampling is not None or logits:
             flags = sampling.flags if sampling is not None else None
             head = self._get_head(B, flags)
             if head is None:  # sampler not capturable here: logits graph, eager sampler
                 lg = self._get_head(B, None)
-                lg.graph.replay()
+                lg.replay()
                 self._eager_head(lg.out, B, flags)
             else:
-                head.graph.replay()
+                head.replay()
             if sampling is not None:
-                self.tokens_host[:n].copy_(self.tokens[:n], non_blocking=True)
-                self.sampled.record()
+                self.tokens_host[k, :n].copy_(self.tokens[:n], non_blocking=True)
+                self.sampled[k].record()
             else:
                 out = head.out[:n]
-        return self.hidden[:n], out
+        return self.hidden[:n], out, run
 
     def warmup(self, additive_width: int | None, flag_sets) -> None:
         """Capture every batch size's forward graph (with additive rows of this width, or none)
         and its head graphs for these SamplingFlags now: at first use a size would stall the
         step for its Triton warm-up and capture (~1-2 s at 7B)."""
         has_a = additive_width is not None
+        if not self.capture:
+            return
         if has_a and self.additive is None:
             self.additive = torch.zeros(self.max_size, additive_width, dtype=self.dtype,
                                         device=self.device)
-        self.copied.synchronize()
-        self._fill_padding(0)  # every row padding: the dummy block, the scratch sampler slot
-        self.dev.copy_(self.host)
+        for ev in self.copied:
+            ev.synchronize()
+        for h in self.host_np:  # every row padding: the dummy block, the scratch sampler slot
+            self._fill_padding(h, 0)
+        self.dev.copy_(self.host[0])
         for B in self.sizes:
             key = (B, False, has_a)
             if key not in self.graphs:
@@ -288,7 +351,7 @@ class DecodeGraphs:
             for flags in flag_sets:
                 self._get_head(B, flags)
 
-    def _get_head(self, B: int, flags) -> _Graph | None:
+    def _get_head(self, B: int, flags) -> _Graph | _EagerGraph | None:
         key = (B, flags)
         if key not in self.heads:
             try:
@@ -308,7 +371,10 @@ class DecodeGraphs:
                                        d[o["force"]:o["force"] + B].long(), flags)
         self.tokens[:B].copy_(ids)
 
-    def sampled_tokens(self, n: int) -> list[int]:
-        """The ids of the last run's n rows (waits for that run)."""
-        self.sampled.synchronize()
-        return self.tokens_host[:n].tolist()
+    def sampled_tokens(self, n: int, run: int) -> list[int]:
+        """The ids of run `run`'s n rows (waits for it; runs after it may be in flight)."""
+        if run < self.num_runs - 2:
+            raise RuntimeError(f"sampled ids of run {run} were overwritten (now {self.num_runs})")
+        k = run % 2
+        self.sampled[k].synchronize()
+        return self.tokens_host[k, :n].tolist()

@@ -1,7 +1,16 @@
-"""The AR stage engine: step() = schedule -> execute -> update. One instance per AR stage."""
+"""The AR stage engine: step() = schedule -> execute -> update. One instance per AR stage.
+
+NOTE (async scheduling): with decode graphs, a step is split into launch() and collect(), and
+launch_ahead(prev) queues the next decode step of prev's sequences while prev runs, its input
+ids taken from prev's sampled ids on the device, so the host's collect/schedule time hides
+behind the GPU. Only when nothing the host knows can change the batch: no request waiting,
+none reaching max_tokens / forced ids / max_model_len, every next input row ready. A request
+that stops on an EOS or stop string in prev wastes its row of the step ahead (dropped at
+collect). OMNISTAGE_ASYNC_SCHEDULING=0 turns it off."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -10,7 +19,7 @@ import torch
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import DetokState, detokenize_step, find_stop
 from omnistage.engine.ar.model_runner import LaunchedBatch, ModelRunner
-from omnistage.engine.ar.scheduler import EngineConfig, Scheduler
+from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch, Scheduler
 from omnistage.engine.ar.sequence import Sequence
 
 
@@ -40,7 +49,10 @@ class AREngine:
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, DetokState] = {}
         self.num_steps = 0
+        self.num_ahead_steps = 0
         self._arrivals = 0
+        self.async_scheduling = os.environ.get("OMNISTAGE_ASYNC_SCHEDULING", "1") != "0"
+        self._ahead: LaunchedBatch | None = None  # launched ahead; launch() returns it next
 
     # ---------------------------------------------------------------- requests
     def add_request(self, seq: Sequence) -> None:
@@ -66,10 +78,13 @@ class AREngine:
             return False
         self.detok.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
+        if self._ahead is not None and not any(self.seqs.get(s.request_id) is s
+                                               for s in self._ahead.batch.seqs):
+            self._ahead = None  # nothing of it is left to collect
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs) or self._ahead is not None
 
     @staticmethod
     def new_seed() -> int:
@@ -78,16 +93,59 @@ class AREngine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[SequenceUpdate]:
         launched = self.launch()
-        return [] if launched is None else self.collect(launched)
+        if launched is None:
+            return []
+        self.launch_ahead(launched)
+        return self.collect(launched)
 
     def launch(self) -> LaunchedBatch | None:
-        """Schedule and queue one step's GPU work (None: nothing to run). collect() must
-        follow before the next launch()."""
+        """Queue one step's GPU work: the step launched ahead if there is one, else a newly
+        scheduled one (None: nothing to run). collect() must follow before the next launch()."""
+        if self._ahead is not None:
+            launched, self._ahead = self._ahead, None
+            return launched
         batch = self.scheduler.schedule()
         if batch is None:
             return None
         self.num_steps += 1
         return self.runner.launch(batch)
+
+    def launch_ahead(self, prev: LaunchedBatch) -> LaunchedBatch | None:
+        """Async scheduling (module note): queue the step after `prev` (launched, not yet
+        collected) when the host can already tell what it is. launch() returns it next."""
+        if not self.async_scheduling or self._ahead is not None \
+                or not self.runner.can_launch_ahead(prev):
+            return None
+        batch = self._schedule_ahead(prev.batch.seqs)
+        if batch is None:
+            return None
+        self.num_steps += 1
+        self.num_ahead_steps += 1
+        self._ahead = self.runner.launch_ahead(batch)
+        return self._ahead
+
+    def _schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        running = self.scheduler.running
+        if self.scheduler.waiting or len(running) != len(seqs) \
+                or any(a is not b for a, b in zip(running, seqs)):
+            return None
+        need = 0
+        for seq in seqs:
+            # after prev's token: still running, and the next position's inputs exist
+            n_out, nxt, p = len(seq.output_token_ids) + 1, seq.num_computed_tokens + 1, seq.params
+            if (self.seqs.get(seq.request_id) is not seq or nxt != seq.num_tokens
+                    or (p.max_tokens is not None and n_out >= p.max_tokens)
+                    or (seq.forced_output_ids is not None
+                        and n_out >= len(seq.forced_output_ids))
+                    or nxt + 1 >= self.config.max_model_len
+                    or (seq.input_source is not None and seq.input_source.ready(seq) <= nxt)):
+                return None
+            need += self.blocks.blocks_needed(seq, nxt + 1)
+        if need > self.blocks.num_free_blocks:
+            return None
+        for seq in seqs:
+            self.blocks.allocate(seq, seq.num_computed_tokens + 2)
+        return ScheduledBatch(list(seqs), [1] * len(seqs), ahead=1)
 
     def collect(self, launched: LaunchedBatch) -> list[SequenceUpdate]:
         """The launched step's tokens -> sequence updates (waits for its GPU work)."""
@@ -150,6 +208,10 @@ class AREngine:
         update.finished, update.finish_reason, update.error = True, reason, error
         seq.error = error
 
+    def drop_ahead(self) -> None:
+        """Forget the step launched ahead (after a crash: its work is not collected)."""
+        self._ahead = None
+
     def fail(self, request_id: str, error: str) -> SequenceUpdate | None:
         """End one request with an error (the others go on)."""
         seq = self.seqs.get(request_id)
@@ -162,7 +224,8 @@ class AREngine:
     # ---------------------------------------------------------------- metrics
     @property
     def stats(self) -> dict[str, int]:
-        return {"num_steps": self.num_steps, "num_forwards": self.runner.num_forwards,
+        return {"num_steps": self.num_steps, "num_ahead_steps": self.num_ahead_steps,
+                "num_forwards": self.runner.num_forwards,
                 "prefix_cache_hit_tokens": self.blocks.hit_tokens,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_free_blocks": self.blocks.num_free_blocks,

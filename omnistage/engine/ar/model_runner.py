@@ -44,6 +44,7 @@ class LaunchedBatch:
     sample_rows: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # legacy sampler: logits graph output
     inputs: list = field(default_factory=list)
+    graph_run: int = -1  # DecodeGraphs run index (where its sampled ids land)
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -212,7 +213,7 @@ class ModelRunner:
         batch, result, srows = launched.batch, launched.partial, launched.sample_rows
         seqs = batch.seqs
         if launched.sampling is not None:
-            drawn = self.graphs.sampled_tokens(len(seqs))
+            drawn = self.graphs.sampled_tokens(len(seqs), launched.graph_run)
             tokens = [drawn[r] for r in srows]
             self.sampler.commit(launched.sampling, tokens)
         elif srows:
@@ -237,21 +238,35 @@ class ModelRunner:
             result.sampled = {s.request_id: t for s, t in zip(samplers, tokens)}
         return result
 
+    def can_launch_ahead(self, prev: LaunchedBatch) -> bool:
+        """Whether the next step of prev's sequences can be queued before prev's tokens are
+        back: prev is a graphed decode whose every row samples on the device."""
+        return (prev.sampling is not None and prev.result is None
+                and len(prev.sample_rows) == len(prev.batch.seqs))
+
+    @torch.inference_mode()
+    def launch_ahead(self, batch: ScheduledBatch) -> LaunchedBatch:
+        """Queue a decode step of the last launched step's sequences, one position further
+        (batch.ahead == 1); its input ids are that step's sampled ids, on the device."""
+        return self._launch_graph(batch)
+
     def _launch_graph(self, batch: ScheduledBatch) -> LaunchedBatch:
         # decode-only: one row per sequence, replayed from the graphs of the padded size
-        seqs = batch.seqs
-        rows = [_input_rows(s, s.num_computed_tokens, s.num_computed_tokens + 1) for s in seqs]
+        seqs, ahead = batch.seqs, batch.ahead
+        rows = [_input_rows(s, s.num_computed_tokens + ahead, s.num_computed_tokens + ahead + 1)
+                for s in seqs]
+        # (a step launched ahead samples every row: its sequences sampled in the last step)
         srows = [r for r, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         legacy = self.legacy_sampler or self.graphs.sampler is None
-        step = self.sampler.prepare(seqs, srows) if srows and not legacy else None
-        hidden, logits = self.graphs.run(seqs, [r[0] for r in rows], [r[1] for r in rows],
-                                         step, logits=bool(srows) and legacy)
+        step = self.sampler.prepare(seqs, srows, ahead) if srows and not legacy else None
+        hidden, logits, run = self.graphs.run(seqs, [r[0] for r in rows], [r[1] for r in rows],
+                                              step, logits=bool(srows) and legacy, ahead=ahead)
         self.num_forwards += 1
         # graph outputs are overwritten by the next replay: exported rows are cloned
         partial = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
         # rows: the GPU may still read them; they live until finish()
         return LaunchedBatch(batch, partial=partial, sampling=step, sample_rows=srows,
-                             logits=logits, inputs=rows)
+                             logits=logits, inputs=rows, graph_run=run)
 
     def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
         # logits: [len(samplers), V] fp32
@@ -272,7 +287,8 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.export_hidden:
                 rows = hidden[off:off + n]
-                out[seq.request_id] = (seq.num_computed_tokens, rows.clone() if copy else rows)
+                out[seq.request_id] = (seq.num_computed_tokens + batch.ahead,
+                                       rows.clone() if copy else rows)
             off += n
         return out
 

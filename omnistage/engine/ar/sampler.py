@@ -228,17 +228,18 @@ class SamplerState:
         self.min_tokens = [0] * S
 
     # ---------------------------------------------------------------- host side
-    def prepare(self, seqs: list[Sequence], rows: list[int]) -> StepSampling:
+    def prepare(self, seqs: list[Sequence], rows: list[int], ahead: int = 0) -> StepSampling:
         """Slots (assigned or rebuilt as needed), steps, forced ids and flags for the rows of
-        `seqs` that sample this step."""
+        `seqs` that sample this step. ahead=1: the step is launched before the previous step's
+        ids are committed; the slots (which the device updates in order) are used as they are."""
         n, V = len(seqs), self.vocab_size
         step = StepSampling([self.scratch] * n, [0] * n, [-1] * n, list(rows),
                             SamplingFlags(True, False, False, False, False, False))
         greedy, top_k, top_p, min_p, pen, ban = True, False, False, False, False, False
         for r in rows:
             seq = seqs[r]
-            slot = self._slot(seq, seqs)
-            k = len(seq.output_token_ids)
+            slot = self._slot(seq, seqs) if not ahead else self._slot_ahead(seq)
+            k = len(seq.output_token_ids) + ahead
             self.synced[slot] = -1  # stale until commit() (the device adds the drawn id)
             step.slots[r], step.steps[r] = slot, k
             forced = seq.forced_output_ids
@@ -288,6 +289,12 @@ class SamplerState:
                  and self.made_from[slot][1] is seq.stop_token_ids)
         if not fresh:  # e.g. outputs changed behind our back: rebuild from the lists
             self._build(slot, seq)
+        return slot
+
+    def _slot_ahead(self, seq: Sequence) -> int:
+        slot = self.slot_of.get(seq.request_id)
+        if slot is None or self._owner(slot) is not seq:
+            raise RuntimeError(f"sampler: {seq.request_id!r} launched ahead without a slot")
         return slot
 
     def _take(self, batch: list[Sequence]) -> int:

@@ -47,6 +47,9 @@ class EngineConfig:
 class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # new tokens per seq this step (1 for a decode)
+    # async scheduling: positions start this far past num_computed_tokens (the step was
+    # launched before the previous step's tokens came back)
+    ahead: int = 0
 
     @property
     def total_tokens(self) -> int:

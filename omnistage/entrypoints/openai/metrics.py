@@ -26,6 +26,8 @@ _STAGE_GAUGES = {
 _STAGE_COUNTERS = {
     "busy_seconds": ("omnistage_stage_busy_seconds", "Seconds the stage spent stepping"),
     "steps": ("omnistage_stage_steps", "Engine steps"),
+    "ahead_steps": ("omnistage_stage_ahead_steps",
+                    "Engine steps launched before the previous step's tokens were read"),
     "prefix_cache_hit_tokens": ("omnistage_stage_prefix_cache_hit_tokens",
                                 "Prompt tokens served from the prefix cache"),
     "preemptions": ("omnistage_stage_preemptions", "Requests preempted for KV space"),
