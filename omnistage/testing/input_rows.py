@@ -20,6 +20,8 @@ class RandomInputRows:
     def ready(self, seq) -> int:
         return ALWAYS_READY
 
-    def rows(self, seq, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, seq, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if start >= self.prompt_len:  # decode rows are only added: no mask (the engine would
+            return self.table[start:end], None  # read it on the host, a device sync)
         replace = torch.arange(start, end, device=self.table.device) < self.prompt_len
         return self.table[start:end], replace

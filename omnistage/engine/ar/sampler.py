@@ -13,6 +13,7 @@ SamplingTensors it gathers hold the same values SamplingTensors.build makes from
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -120,7 +121,8 @@ def apply_warpers(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(min=0)[:, None])
         logits = torch.where((k[:, None] > 0) & (logits < kth), neg_inf, logits)
     if t.any_top_p:
-        sorted_logits, order = logits.sort(dim=-1)  # ascending, as transformers does
+        # ascending, as transformers does; stable: ties leave in id order on every device
+        sorted_logits, order = logits.sort(dim=-1, stable=True)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove = cum <= (1 - t.top_p)[:, None]
         remove[:, -1] = False  # always keep the most likely token
@@ -369,12 +371,19 @@ class SamplerState:
 
     def sample_rows(self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
                     force: torch.Tensor | None, flags: SamplingFlags,
-                    update: bool = True) -> torch.Tensor:
+                    update: bool = True, fast: bool | None = None) -> torch.Tensor:
         """logits [N, V] fp32 -> ids [N] long (forced ids where force >= 0); then the slots'
-        output counts += the ids. Capturable: no host sync, no host-built tensors."""
+        output counts += the ids. Capturable: no host sync, no host-built tensors.
+        fast: the Triton kernels (sampler_triton, same tokens up to ulp-level near ties); None =
+        on CUDA unless OMNISTAGE_FAST_SAMPLER=0; False = the torch reference below."""
         if logits.shape[-1] != self.vocab_size:
             raise RuntimeError(f"sampler: logits have {logits.shape[-1]} columns, state has "
                                f"{self.vocab_size}")
+        if fast is None:
+            fast = logits.is_cuda and os.environ.get("OMNISTAGE_FAST_SAMPLER", "1") != "0"
+        if fast and logits.shape[0] > 0:
+            from omnistage.engine.ar import sampler_triton  # triton: imported on first use
+            return sampler_triton.sample_rows(self, logits, slots, steps, force, flags, update)
         tokens = sample(logits, self.tensors(slots, steps, flags))
         if force is not None:
             tokens = torch.where(force >= 0, force, tokens)
