@@ -211,6 +211,29 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     return res
 
 
+async def repeated_round(llm: AsyncOmniLLM, c: int, repeats: int, text_tokens: int,
+                         codes: int, seed: int) -> dict:
+    """run_round `repeats` times (one after another): the round with the median RTF, with the
+    medians of every round's p50s and each repeat's TTFA and RTF listed."""
+    runs = [await run_round(llm, c, text_tokens, codes, seed + 7919 * i) for i in range(repeats)]
+    if repeats == 1:
+        return runs[0]
+    runs.sort(key=lambda r: r["rtf"]["p50"])
+    res = dict(runs[len(runs) // 2])
+    for key in ("ttft", "ttfa", "e2e", "client_ttfa", "rtf"):
+        if all(key in r for r in runs):
+            merged = dict(res[key], p50=round(statistics.median(r[key]["p50"] for r in runs), 4),
+                          max=max(r[key]["max"] for r in runs))
+            if "min" in merged:
+                merged["min"] = min(r[key]["min"] for r in runs)
+            res[key] = merged
+    res["audio_s_per_s"] = round(statistics.median(r["audio_s_per_s"] for r in runs), 3)
+    res["repeats"] = repeats
+    res["ttfa_p50_each"] = [r["ttfa"]["p50"] for r in runs if "ttfa" in r]
+    res["rtf_p50_each"] = [r["rtf"]["p50"] for r in runs]
+    return res
+
+
 def profile_code2wav(res: dict, small: bool, dev: torch.device) -> None:
     """One streaming chunk's cost, split into DiT ODE (sample_mels) and BigVGAN (vocode), at
     batch 1 and 16, with the top ops of one chunk by CUDA and CPU time."""
@@ -338,11 +361,13 @@ async def main_async(args, res: dict, save) -> None:
     if args.oneshot_only:
         rounds = [r for r in rounds if r[1]]
     rounds += [(int(c), "serial") for c in args.serial.split(",") if c]
+    rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
     res["overlap"] = llm.runtime.overlap
     for i, (c, mode) in enumerate(rounds):
         oneshot = mode is True
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
-            "_serial_steps" if mode == "serial" else "")
+            "_serial_steps" if mode == "serial" else "") + (
+            "_no_async_scheduling" if mode == "sync" else "")
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
             res["runs"][name] = "skipped: out of time"
             continue
@@ -356,10 +381,17 @@ async def main_async(args, res: dict, save) -> None:
         overlap = llm.runtime.overlap
         if mode == "serial":  # the loop reads it each pass; nothing is in flight between rounds
             llm.runtime.overlap = False
+        engines = [w.engine for w in llm.pipeline.workers.values() if hasattr(w, "engine")]
+        async_on = [e.async_scheduling for e in engines]
+        for e in engines:  # read at each launch; no step is queued between rounds
+            e.async_scheduling = e.async_scheduling and mode != "sync"
         try:
-            res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes, seed=c)
+            res["runs"][name] = await repeated_round(
+                llm, c, args.c1_repeats if c == 1 else 1, args.text_tokens, args.codes, seed=c)
         finally:
             llm.runtime.overlap = overlap
+            for e, on in zip(engines, async_on):
+                e.async_scheduling = on
             if stage is not None:
                 stage.stream_config = window
         if dev.type == "cuda":
@@ -384,6 +416,11 @@ def main() -> None:
     ap.add_argument("--serial", default="",
                     help="concurrencies also run with the stages stepped one after another "
                          "(no GPU overlap), after the other rounds")
+    ap.add_argument("--sync-sched", default="",
+                    help="concurrencies also run without async scheduling in the AR stages "
+                         "(each decode step launched after the previous one's tokens are read)")
+    ap.add_argument("--c1-repeats", type=int, default=3,
+                    help="concurrency-1 rounds run this many times (medians reported)")
     ap.add_argument("--profile-code2wav", action="store_true")
     ap.add_argument("--chunk-blocks", type=int, default=1, help="DiT blocks per audio chunk")
     ap.add_argument("--first-chunk-blocks", type=int, default=None,
