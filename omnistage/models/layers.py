@@ -6,6 +6,7 @@ so weights load by name. NOTE: RMSNorm and RoPE run in fp32 whatever the model d
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -145,11 +146,16 @@ def _linear(x, w, b=None):
     return nn.functional.linear(x, w, b)
 
 
+def attention_qkv(x, ln_w, eps: float, w_qkv, b_qkv):
+    """input norm -> fused q/k/v projection. x: [T, D] -> qkv [T, (H + 2*Hkv) * hd]."""
+    return _linear(_rms_norm(x, ln_w, eps), w_qkv, b_qkv)
+
+
 def attention_in(x, ln_w, eps: float, w_qkv, b_qkv, cos, sin, num_heads: int,
                  num_kv_heads: int, head_dim: int):
     """input norm -> fused q/k/v projection -> rope. x: [T, D] -> q [T,H,hd], k/v [T,Hkv,hd]."""
     T = x.shape[0]
-    qkv = _linear(_rms_norm(x, ln_w, eps), w_qkv, b_qkv)
+    qkv = attention_qkv(x, ln_w, eps, w_qkv, b_qkv)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
                          num_kv_heads * head_dim], dim=-1)
     q = apply_rope(q.reshape(T, num_heads, head_dim), cos, sin)
@@ -180,10 +186,38 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-# NOTE: on CUDA these two are compiled (torch.compile fuses the norms, rope, activation and
+# NOTE: on CUDA these are compiled (torch.compile fuses the norms, rope, activation and
 # residuals around the GEMMs); the paged attention between them stays our Triton kernel.
-KERNELS = {"in": attention_in, "out": attention_out_mlp}
+# "qkv" serves the fused rope + KV-write path (below), "in" the plain one.
+KERNELS = {"in": attention_in, "qkv": attention_qkv, "out": attention_out_mlp}
 _compiled = False
+
+# Rope of q/k and the paged KV write in one Triton launch per layer (instead of rope in "in" and
+# two index_copy_): on CUDA unless OMNISTAGE_FUSED_ROPE_KV=0. Tests set FUSED_ROPE_KV to force
+# it on (on CPU it then runs in the Triton interpreter) or off.
+FUSED_ROPE_KV: bool | None = None  # None: by device and environment
+_rope_write_kv = None  # the kernel's wrapper once imported; False when off or unavailable
+
+
+def _fused_rope_kv(device: torch.device):
+    """rope_write_kv when the fused path applies on this device, else None."""
+    global _rope_write_kv
+    if FUSED_ROPE_KV is not None:
+        if not FUSED_ROPE_KV:
+            return None
+        from omnistage.engine.ar.triton_rope_kv import rope_write_kv
+        return rope_write_kv
+    if device.type != "cuda":
+        return None
+    if _rope_write_kv is None:
+        _rope_write_kv = False
+        if os.environ.get("OMNISTAGE_FUSED_ROPE_KV", "1") != "0":
+            try:
+                from omnistage.engine.ar.triton_rope_kv import rope_write_kv
+                _rope_write_kv = rope_write_kv
+            except ImportError:  # no triton: the torch path
+                _rope_write_kv = False
+    return _rope_write_kv or None
 
 
 def compile_layer_kernels() -> None:
@@ -192,6 +226,7 @@ def compile_layer_kernels() -> None:
     if _compiled:
         return
     KERNELS["in"] = torch.compile(attention_in, dynamic=True)
+    KERNELS["qkv"] = torch.compile(attention_qkv, dynamic=True)
     KERNELS["out"] = torch.compile(attention_out_mlp, dynamic=True)
     _compiled = True
 
@@ -239,10 +274,16 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         if not hasattr(self, "w_qkv"):
             self.fuse()
-        q, k, v = KERNELS["in"](x, self.input_layernorm.weight, self.input_layernorm.eps,
-                                self.w_qkv, self.b_qkv, cos, sin, a.num_heads, a.num_kv_heads,
-                                a.head_dim)
-        write_kv(k, v, a.k_cache, a.v_cache, batch.attn.slot_mapping)
+        ln = self.input_layernorm
+        fused = _fused_rope_kv(x.device)
+        if fused is not None:
+            qkv = KERNELS["qkv"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
+            q = fused(qkv, cos, sin, a.k_cache, a.v_cache, batch.attn.slot_mapping,
+                      a.num_heads, a.num_kv_heads, a.head_dim)
+        else:
+            q, k, v = KERNELS["in"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv, cos, sin,
+                                    a.num_heads, a.num_kv_heads, a.head_dim)
+            write_kv(k, v, a.k_cache, a.v_cache, batch.attn.slot_mapping)
         o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale)
         post = self.post_attention_layernorm
         return KERNELS["out"](x, o, a.o_proj.weight, post.weight, post.eps, self.w_gate_up,
