@@ -177,8 +177,9 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
             asyncio.gather(*[one_request(llm, p, sp, t0) for p in ids]), ROUND_TIMEOUT_S)
     except TimeoutError:  # a hung round: say where every thread and stream is, then stop
         faulthandler.dump_traceback()
+        busy = {name for name, _ in llm.runtime.inflight}
         print("stuck in flight:", {n: w.gpu.describe() for n, w in llm.pipeline.workers.items()
-                                   if n in llm.runtime.inflight and hasattr(w, "gpu")},
+                                   if n in busy and hasattr(w, "gpu")},
               flush=True)
         os._exit(3)
     wall = time.perf_counter() - t0

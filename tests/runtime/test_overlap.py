@@ -95,3 +95,50 @@ def test_code2wav_abort_while_a_chunk_is_in_flight(tiny_omni_dir):
     assert [e.request_id for e in events] == ["b"]
     assert events[0].audio is not None and len(events[0].audio) > 0
     assert "a" not in stage.requests
+
+
+def test_code2wav_first_chunks_launch_beside_later_ones(tiny_omni_dir):
+    # lanes: a new request's first chunk launches while an older request's later chunk is in
+    # flight; no request has two chunks in flight; the audio equals one-lane stepping
+    llm = OmniLLM(str(tiny_omni_dir))
+    llm.shutdown()
+    stage = llm.pipeline.workers["code2wav"]
+    assert stage.lanes == ("first", "main")
+    voice = next(iter(llm.pipeline.voices.values()))
+    from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest
+
+    def submit(rid: str) -> None:
+        stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=len(rid)))
+        stage.add_codes(rid, [5 + len(rid)] * 60, finished=True)
+
+    def audio(events, out):
+        for e in events:
+            out[e.request_id] = out.get(e.request_id, []) + [e.audio]
+
+    ref: dict = {}
+    for rid in ("a", "bb"):
+        submit(rid)
+    while stage.has_work():
+        audio(stage.step(), ref)
+    got: dict = {}
+    submit("a")
+    assert stage.launch("main") is None  # "a" has only its first chunk to go
+    audio(stage.collect(stage.launch("first")), got)
+    later = stage.launch("main")  # "a", chunk 1, in flight
+    assert later is not None and stage.in_flight == {"a"}
+    submit("bb")
+    first = stage.launch("first")  # "bb" starts beside it
+    assert [rid for rid, _ in first.state[0]] == ["bb"] and stage.in_flight == {"a", "bb"}
+    assert stage.launch("main") is None and stage.launch("first") is None  # nothing doubled
+    audio(stage.collect(first) + stage.collect(later), got)
+    while stage.has_work():
+        for lane in stage.lanes:
+            launched = stage.launch(lane)
+            if launched is not None:
+                audio(stage.collect(launched), got)
+    assert not stage.requests and not stage.in_flight
+    for rid in ("a", "bb"):
+        assert len(got[rid]) == len(ref[rid]) > 2
+        np.testing.assert_allclose(np.concatenate(got[rid]), np.concatenate(ref[rid]),
+                                   atol=1e-6)
+        assert float(np.abs(np.concatenate(got[rid])).max()) > 0
