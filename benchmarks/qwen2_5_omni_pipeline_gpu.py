@@ -139,7 +139,10 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, t_submit: float) -> dict:
+async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: float = 0.0
+                      ) -> dict:
+    await asyncio.sleep(delay_s)
+    t_submit = time.perf_counter()
     first_text = first_audio = None
     samples = chunks = 0
     out = None
@@ -167,14 +170,17 @@ def stage_stats(llm: AsyncOmniLLM) -> dict:
             "c2w_chunks": s["code2wav"].get("chunks", 0)}
 
 
-async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int) -> dict:
+async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int,
+                    stagger_s: float = 0.0) -> dict:
+    # stagger_s: the requests arrive evenly over this many seconds (0: all at once)
     sp = stage_params(text_tokens, codes)
     ids = prompts(c, 63, seed)
     before = stage_stats(llm)
     t0 = time.perf_counter()
     try:
         rows = await asyncio.wait_for(
-            asyncio.gather(*[one_request(llm, p, sp, t0) for p in ids]), ROUND_TIMEOUT_S)
+            asyncio.gather(*[one_request(llm, p, sp, stagger_s * i / c)
+                             for i, p in enumerate(ids)]), ROUND_TIMEOUT_S)
     except TimeoutError:  # a hung round: say where every thread and stream is, then stop
         faulthandler.dump_traceback()
         busy = {name for name, _ in llm.runtime.inflight}
@@ -191,7 +197,7 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     steps = {k: after["steps"][k] - before["steps"].get(k, 0) for k in after["steps"]}
     busy_ms = {k: round(1e3 * busy[k] / max(1, steps.get(k, 1)), 2) for k in busy}
     res = {"concurrency": c, "wall_s": round(wall, 3), "audio_s_total": round(audio, 2),
-           "audio_s_per_s": round(audio / wall, 3)}
+           "audio_s_per_s": round(audio / wall, 3), "arrivals_over_s": stagger_s}
     for key in ("ttft", "ttfa", "e2e", "client_ttfa"):
         xs = [r[key] for r in rows if r[key] is not None]
         if xs:
@@ -363,12 +369,15 @@ async def main_async(args, res: dict, save) -> None:
         rounds = [r for r in rounds if r[1]]
     rounds += [(int(c), "serial") for c in args.serial.split(",") if c]
     rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
+    for c in (int(c) for c in args.staggered.split(",") if c):
+        rounds += [(c, "staggered"), (c, "staggered_one_lane")]
     res["overlap"] = llm.runtime.overlap
     for i, (c, mode) in enumerate(rounds):
         oneshot = mode is True
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
             "_serial_steps" if mode == "serial" else "") + (
-            "_no_async_scheduling" if mode == "sync" else "")
+            "_no_async_scheduling" if mode == "sync" else "") + (
+            f"_{mode}" if str(mode).startswith("staggered") else "")
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
             res["runs"][name] = "skipped: out of time"
             continue
@@ -386,10 +395,19 @@ async def main_async(args, res: dict, save) -> None:
         async_on = [e.async_scheduling for e in engines]
         for e in engines:  # read at each launch; no step is queued between rounds
             e.async_scheduling = e.async_scheduling and mode != "sync"
+        if stage is not None:
+            stage.use_lanes = mode != "staggered_one_lane"
         try:
-            res["runs"][name] = await repeated_round(
-                llm, c, args.c1_repeats if c == 1 else 1, args.text_tokens, args.codes, seed=c)
+            if str(mode).startswith("staggered"):
+                res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
+                                                    seed=c, stagger_s=args.stagger_window_s)
+            else:
+                res["runs"][name] = await repeated_round(
+                    llm, c, args.c1_repeats if c == 1 else 1, args.text_tokens, args.codes,
+                    seed=c)
         finally:
+            if stage is not None:
+                stage.use_lanes = True
             llm.runtime.overlap = overlap
             for e, on in zip(engines, async_on):
                 e.async_scheduling = on
@@ -420,6 +438,10 @@ def main() -> None:
     ap.add_argument("--sync-sched", default="",
                     help="concurrencies also run without async scheduling in the AR stages "
                          "(each decode step launched after the previous one's tokens are read)")
+    ap.add_argument("--staggered", default="",
+                    help="concurrencies also run with arrivals spread over --stagger-window-s, "
+                         "with code2wav's first-chunk lane and without")
+    ap.add_argument("--stagger-window-s", type=float, default=6.0)
     ap.add_argument("--c1-repeats", type=int, default=3,
                     help="concurrency-1 rounds run this many times (medians reported)")
     ap.add_argument("--profile-code2wav", action="store_true")

@@ -15,6 +15,7 @@ chunks takes ~0.7 s on an H100). A request has at most one chunk in flight."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class Qwen2_5OmniCode2WavStage:
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
         self.in_flight: set[str] = set()  # requests with a chunk launched, not collected
+        self.use_lanes = os.environ.get("OMNISTAGE_CODE2WAV_LANES", "1") != "0"
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
         self.gpu = StageStream(device)
@@ -104,9 +106,11 @@ class Qwen2_5OmniCode2WavStage:
         self.requests.pop(request_id, None)
 
     @property
-    def lanes(self) -> tuple[str, ...]:
-        """The launch lanes with overlap (module note); one-shot decoding has one."""
-        return ("first", "main") if self.stream_config is not None else ("main",)
+    def lanes(self) -> tuple[str | None, ...]:
+        """The launch lanes with overlap (module note; OMNISTAGE_CODE2WAV_LANES=0: one lane,
+        every chunk in it). One-shot decoding has one."""
+        return ("first", "main") if self.stream_config is not None and self.use_lanes \
+            else (None,)
 
     def _ready(self, req: Code2WavRequest) -> bool:
         if req.codes_finished and not req.codes:
