@@ -183,9 +183,8 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
                              for i, p in enumerate(ids)]), ROUND_TIMEOUT_S)
     except TimeoutError:  # a hung round: say where every thread and stream is, then stop
         faulthandler.dump_traceback()
-        busy = {name for name, _ in llm.runtime.inflight}
         print("stuck in flight:", {n: w.gpu.describe() for n, w in llm.pipeline.workers.items()
-                                   if n in busy and hasattr(w, "gpu")},
+                                   if n in llm.runtime.inflight and hasattr(w, "gpu")},
               flush=True)
         os._exit(3)
     wall = time.perf_counter() - t0
@@ -369,15 +368,14 @@ async def main_async(args, res: dict, save) -> None:
         rounds = [r for r in rounds if r[1]]
     rounds += [(int(c), "serial") for c in args.serial.split(",") if c]
     rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
-    for c in (int(c) for c in args.staggered.split(",") if c):
-        rounds += [(c, "staggered"), (c, "staggered_one_lane")]
+    rounds += [(int(c), "staggered") for c in args.staggered.split(",") if c]
     res["overlap"] = llm.runtime.overlap
     for i, (c, mode) in enumerate(rounds):
         oneshot = mode is True
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
             "_serial_steps" if mode == "serial" else "") + (
             "_no_async_scheduling" if mode == "sync" else "") + (
-            f"_{mode}" if str(mode).startswith("staggered") else "")
+            "_staggered" if mode == "staggered" else "")
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
             res["runs"][name] = "skipped: out of time"
             continue
@@ -395,10 +393,8 @@ async def main_async(args, res: dict, save) -> None:
         async_on = [e.async_scheduling for e in engines]
         for e in engines:  # read at each launch; no step is queued between rounds
             e.async_scheduling = e.async_scheduling and mode != "sync"
-        if stage is not None:
-            stage.use_lanes = mode != "staggered_one_lane"
         try:
-            if str(mode).startswith("staggered"):
+            if mode == "staggered":
                 res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
                                                     seed=c, stagger_s=args.stagger_window_s)
             else:
@@ -406,8 +402,6 @@ async def main_async(args, res: dict, save) -> None:
                     llm, c, args.c1_repeats if c == 1 else 1, args.text_tokens, args.codes,
                     seed=c)
         finally:
-            if stage is not None:
-                stage.use_lanes = True
             llm.runtime.overlap = overlap
             for e, on in zip(engines, async_on):
                 e.async_scheduling = on
@@ -439,8 +433,8 @@ def main() -> None:
                     help="concurrencies also run without async scheduling in the AR stages "
                          "(each decode step launched after the previous one's tokens are read)")
     ap.add_argument("--staggered", default="",
-                    help="concurrencies also run with arrivals spread over --stagger-window-s, "
-                         "with code2wav's first-chunk lane and without")
+                    help="concurrencies also run with arrivals spread evenly over "
+                         "--stagger-window-s")
     ap.add_argument("--stagger-window-s", type=float, default=6.0)
     ap.add_argument("--c1-repeats", type=int, default=3,
                     help="concurrency-1 rounds run this many times (medians reported)")

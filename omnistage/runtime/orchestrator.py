@@ -82,9 +82,7 @@ class Orchestrator:
                 getattr(getattr(w, "device", None), "type", "cpu") == "cuda"
                 for w in workers.values()))
         self.overlap = overlap
-        # overlap: launched, not collected yet, by (stage, lane); a stage with lanes (code2wav)
-        # can have a step of each in flight
-        self.inflight: dict[tuple[str, str | None], LaunchedStep] = {}
+        self.inflight: dict[str, LaunchedStep] = {}  # overlap: launched, not collected yet
         self.local = {n: StageHost(w, self._deliver) for n, w in workers.items()}
         self.remote = {n: ProcessStage(spec) for n, spec in process_stages.items()}
         self.hosts: dict[str, StageHost | ProcessStage] = {
@@ -286,17 +284,13 @@ class Orchestrator:
         for name, host in self.hosts.items():
             if name in self.remote:
                 self._poll_remote(name)
-            elif not self.overlap:
-                if host.has_work():
-                    if name in self.step_delay:
-                        time.sleep(self.step_delay[name])
+            elif host.has_work() and name not in self.inflight:
+                if name in self.step_delay:
+                    time.sleep(self.step_delay[name])
+                if self.overlap:
+                    self._launch(name, host)
+                else:
                     self._sync_step(name, host)
-            else:
-                for lane in host.lanes:
-                    if (name, lane) not in self.inflight and host.has_work():
-                        if name in self.step_delay:
-                            time.sleep(self.step_delay[name])
-                        self._launch(name, host, lane)
         if self.inflight:
             self._collect_finished()
 
@@ -311,17 +305,17 @@ class Orchestrator:
         for ev in events:
             self._route(ev)
 
-    def _launch(self, name: str, host: StageHost, lane: str | None) -> None:
+    def _launch(self, name: str, host: StageHost) -> None:
         # NOTE (overlap): every stage queues its step (StageStream) before any is collected,
         # so code2wav's chunks run on the GPU beside the thinker's and talker's decode steps
         try:
-            launched = host.launch(lane)
+            launched = host.launch()
         except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
             for ev in self._crashed(name, host, e):
                 self._route(ev)
             return
         if launched is not None:
-            self.inflight[(name, lane)] = launched
+            self.inflight[name] = launched
 
     def _collect_finished(self) -> None:
         """Wait until a launched step is done; collect every done one and route its events."""
@@ -333,13 +327,10 @@ class Orchestrator:
             if not warned and time.monotonic() - t0 > STALL_WARNING_SECONDS:
                 warned = True
                 log.error("no stage step finished in %.0f s: %s", STALL_WARNING_SECONDS,
-                          {n: self.local[n].worker.gpu.describe() for n, _ in self.inflight
+                          {n: self.local[n].worker.gpu.describe() for n in self.inflight
                            if hasattr(self.local[n].worker, "gpu")})
-        for key in done:
-            if key not in self.inflight:  # dropped by a crash of its stage's other lane
-                continue
-            name = key[0]
-            launched, host = self.inflight.pop(key), self.local[name]
+        for name in done:
+            launched, host = self.inflight.pop(name), self.local[name]
             try:
                 events = host.collect(launched)
             except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
@@ -352,8 +343,7 @@ class Orchestrator:
     def _crashed(self, name: str, host: StageHost, e: Exception) -> list[StageEvent]:
         log.exception("stage %s crashed; failing its requests", name, exc_info=e)
         self.stage_errors[name] += 1
-        for key in [k for k in self.inflight if k[0] == name]:
-            del self.inflight[key]
+        self.inflight.pop(name, None)
         return host.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
 
     def _drain_control(self, block: bool) -> None:

@@ -284,19 +284,14 @@ class StageHost:
     def step(self) -> list[StageEvent]:
         return self._forward(self.worker.step())
 
-    @property
-    def lanes(self) -> tuple[str | None, ...]:
-        """Launch lanes whose steps can be in flight together (None: the worker has one)."""
-        return getattr(self.worker, "lanes", (None,))
-
-    def launch(self, lane: str | None = None) -> LaunchedStep | None:
+    def launch(self) -> LaunchedStep | None:
         """Queue a step's GPU work (workers without launch/collect step at once)."""
         launch = getattr(self.worker, "launch", None)
         if launch is None:
             t0 = time.perf_counter()
             events = self.worker.step()
             return LaunchedStep(None, events, wall_seconds=time.perf_counter() - t0)
-        return launch() if lane is None else launch(lane)
+        return launch()
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
         collect = getattr(self.worker, "collect", None)

@@ -7,19 +7,14 @@
     so a padded row equals its window decoded alone. Edge chunks (windows clipped at frame 0 or
     at the utterance's end) are padded the same way: every chunk runs in a fixed shape. On CUDA
     the whole ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is one
-    CUDA graph, captured lazily into the memory pool of its lane (below). By default the DiT's
-    step functions inside these graphs are inductor-compiled (code2wav_fast._compiled_steps):
-    norms, modulation, rotary, activations and residuals fuse around the GEMMs and attention,
-    one compile per (bucket, width) shared by all 22 layers, done in the warm-up run before the
-    capture.
+    CUDA graph, captured lazily into a shared memory pool. By default the DiT's step functions
+    inside these graphs are inductor-compiled (code2wav_fast._compiled_steps): norms, modulation,
+    rotary, activations and residuals fuse around the GEMMs and attention, one compile per
+    (bucket, width) shared by all 22 layers, done in the warm-up run before the capture.
   - BigVGAN: its convs pad at the sequence's ends, so padding would change the result. Spans of
     the standard length (chunk + both overlaps) and chunk 0's span run as graphs per (bucket,
     length); other spans (the utterance's last chunk, tiny utterances) run eagerly.
 On the CPU the same padding code runs, with no graphs (batch padding only when asked).
-
-Lanes: the code2wav stage may run a step of first chunks ("first") while a step of later
-chunks ("main") is still on the GPU. Graphs sharing a memory pool must never replay at the same
-time, so each lane has its own graphs and pool.
 """
 
 from __future__ import annotations
@@ -131,9 +126,9 @@ class Qwen2_5OmniCode2WavDecoder:
         self.spec, self.block = model.spec, model.spec.block_size
         self.speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.dit_graphs: dict[tuple[str, int, int], _Graph] = {}  # (lane, bucket, width)
-        self.voc_graphs: dict[tuple[str, int, int], _Graph] = {}  # (lane, bucket, length)
-        self.pools: dict[str, tuple] = {}  # lane -> graph memory pool
+        self.dit_graphs: dict[tuple[int, int], _Graph] = {}
+        self.voc_graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
         self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
@@ -217,7 +212,7 @@ class Qwen2_5OmniCode2WavDecoder:
                                     buf["start"], buf["nvalid"], compiled)
 
     # ------------------------------------------------------------------ graphs
-    def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, str, int, int]
+    def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, int, int]
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
@@ -232,10 +227,7 @@ class Qwen2_5OmniCode2WavDecoder:
         graph = torch.cuda.CUDAGraph()
         # thread_local: other stages' threads may use the GPU while this one captures
         # own capture stream: its cuBLAS workspace is this decoder's alone (cuda_graphs.py)
-        lane = key[0]
-        if lane not in self.pools:
-            self.pools[lane] = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pools[lane], stream=self.capture_stream,
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
                               capture_error_mode="thread_local"):
             out = fn()
         torch.cuda.synchronize(self.device)
@@ -243,15 +235,15 @@ class Qwen2_5OmniCode2WavDecoder:
         self.graph_bytes[key] = torch.cuda.memory_reserved(self.device) - reserved
         return graph, out
 
-    def dit_graph(self, bucket: int, width: int, lane: str = "main") -> _Graph:
-        g = self.dit_graphs.get((lane, bucket, width))
+    def dit_graph(self, bucket: int, width: int) -> _Graph:
+        g = self.dit_graphs.get((bucket, width))
         if g is None:
             g = _Graph(self.new_dit_inputs(bucket, width))
             if self.compile:
                 self._compile_or_fall_back(g.inputs)
             g.graph, g.output = self._capture(lambda: self._dit(g.inputs, self.compile),
-                                              (lane, "dit", bucket, width))
-            self.dit_graphs[(lane, bucket, width)] = g
+                                              ("dit", bucket, width))
+            self.dit_graphs[(bucket, width)] = g
         return g
 
     def _compile_or_fall_back(self, inputs: dict[str, torch.Tensor]) -> None:
@@ -267,8 +259,8 @@ class Qwen2_5OmniCode2WavDecoder:
         torch.cuda.synchronize(self.device)
         self.compile_seconds += time.perf_counter() - t0
 
-    def voc_graph(self, bucket: int, length: int, lane: str = "main") -> _Graph:
-        g = self.voc_graphs.get((lane, bucket, length))
+    def voc_graph(self, bucket: int, length: int) -> _Graph:
+        g = self.voc_graphs.get((bucket, length))
         if g is None:
             voc = self.model.code2wav_bigvgan_model
             p = next(voc.parameters())
@@ -276,21 +268,20 @@ class Qwen2_5OmniCode2WavDecoder:
                               dtype=p.dtype)
             g = _Graph({"mel": mel})
             g.graph, g.output = self._capture(lambda: voc(g.inputs["mel"]),
-                                              (lane, "vocoder", bucket, length))
-            self.voc_graphs[(lane, bucket, length)] = g
+                                              ("vocoder", bucket, length))
+            self.voc_graphs[(bucket, length)] = g
         return g
 
     # ------------------------------------------------------------------ decode
     def sample_windows(self, rows: list[tuple[Qwen2_5OmniCode2WavStream, int]],
-                       config: Qwen2_5OmniCode2WavStreamConfig, lane: str = "main"
-                       ) -> list[torch.Tensor]:
+                       config: Qwen2_5OmniCode2WavStreamConfig) -> list[torch.Tensor]:
         """Each row's window mel [W_i, M] float32 (owned copies, not graph buffers)."""
         widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in rows)]
         mels: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for idx, bucket, width in self.plan(widths, config):
             part = [rows[i] for i in idx]
             if self.use_graphs and width <= self.max_graph_frames:
-                g = self.dit_graph(bucket, width, lane)
+                g = self.dit_graph(bucket, width)
                 self.fill_dit_inputs(g.inputs, part)
                 g.graph.replay()
                 out = g.output
@@ -303,17 +294,14 @@ class Qwen2_5OmniCode2WavDecoder:
         return mels
 
     def vocode(self, spans: list[Qwen2_5OmniCode2WavSpan], mels: list[torch.Tensor],
-               config: Qwen2_5OmniCode2WavStreamConfig, lane: str = "main") -> list[torch.Tensor]:
+               config: Qwen2_5OmniCode2WavStreamConfig) -> list[torch.Tensor]:
         """Each row's vocoder span -> waveform [V_i * hop] float32 (owned)."""
         voc = self.model.code2wav_bigvgan_model
         p = next(voc.parameters())
         by_len: dict[int, list[int]] = defaultdict(list)
         for i, sp in enumerate(spans):
             by_len[sp.vocoder[1] - sp.vocoder[0]].append(i)
-        graphed = set(vocoder_lengths(config, self.block)) if self.use_graphs else set()
-        if self.use_graphs and lane != "main":  # chunk 0's span, the one the lane has
-            graphed = {config.first_blocks * self.block + min(
-                config.vocoder_overlap_frames, config.future_blocks * self.block)}
+        graphed = vocoder_lengths(config, self.block) if self.use_graphs else ()
         wavs: list[torch.Tensor] = [torch.empty(0)] * len(spans)
         for length, idx in by_len.items():
             for c in range(0, len(idx), self.buckets[-1]):
@@ -321,7 +309,7 @@ class Qwen2_5OmniCode2WavDecoder:
                 ins = [mels[i][spans[i].vocoder[0] - spans[i].window[0]:
                                spans[i].vocoder[1] - spans[i].window[0]].T for i in part]
                 if length in graphed:
-                    g = self.voc_graph(bucket_for(len(part), self.buckets), length, lane)
+                    g = self.voc_graph(bucket_for(len(part), self.buckets), length)
                     for j, m in enumerate(ins):
                         g.inputs["mel"][j].copy_(m)
                     g.graph.replay()
@@ -333,13 +321,10 @@ class Qwen2_5OmniCode2WavDecoder:
         return wavs
 
     @torch.inference_mode()
-    def decode(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]], lane: str = "main"
+    def decode(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]
                ) -> list[Qwen2_5OmniCode2WavChunk]:
         """Chunk k of each (stream, k): the chunks of `decode_chunks_with_mel` (all streams of
-        one stream config). Mutates nothing but this decoder's caches. lane: whose graphs (and
-        memory pool) run it (module note)."""
-        if lane not in ("main", "first"):
-            raise ValueError(f"lane: 'main' or 'first', got {lane!r}")
+        one stream config). Mutates nothing but this decoder's caches."""
         check_requests(self.model, requests)
         if not requests:
             return []
@@ -348,8 +333,8 @@ class Qwen2_5OmniCode2WavDecoder:
             raise ValueError("requests: all streams of one batch need the same stream config")
         spans = [s.span(k) for s, k in requests]
         with self._on_device():
-            mels = self.sample_windows(list(requests), config, lane)
-            wavs = self.vocode(spans, mels, config, lane)
+            mels = self.sample_windows(list(requests), config)
+            wavs = self.vocode(spans, mels, config)
         return assemble_chunks(self.model, list(requests), spans, mels, wavs)
 
     def _on_device(self):
@@ -367,20 +352,12 @@ class Qwen2_5OmniCode2WavDecoder:
 
     def _warmup(self, config: Qwen2_5OmniCode2WavStreamConfig,
                 buckets: tuple[int, ...] | None) -> None:
-        # "main": every shape; "first": chunk 0's (the smallest width and span, unclipped)
-        first_width = (config.first_blocks + config.future_blocks) * self.block
-        first_span = config.first_blocks * self.block + min(config.vocoder_overlap_frames,
-                                                            config.future_blocks * self.block)
         for b in buckets or self.buckets:
-            bucket = bucket_for(b, self.buckets)
             for w in window_widths(config, self.block):
                 if w <= self.max_graph_frames:
-                    self.dit_graph(bucket, w)
+                    self.dit_graph(bucket_for(b, self.buckets), w)
             for length in vocoder_lengths(config, self.block):
-                self.voc_graph(bucket, length)
-            if first_width <= self.max_graph_frames:
-                self.dit_graph(bucket, first_width, "first")
-            self.voc_graph(bucket, first_span, "first")
+                self.voc_graph(bucket_for(b, self.buckets), length)
 
     def stats(self) -> dict[str, float]:
         """Graph counts; seconds compiling (each shape's first compiled run), capturing (the

@@ -6,16 +6,10 @@ evaluation, and emits it. One-shot (streaming off): an utterance is decoded whol
 code has arrived, several utterances per batch.
 
 Streaming chunks go through `Qwen2_5OmniCode2WavDecoder` (code2wav_graphs.py): fixed-shape
-padded windows, and on CUDA one CUDA graph per (batch bucket, window width) for the whole ODE.
-
-NOTE (lanes): with the orchestrator's overlap, first chunks and later chunks launch on two
-lanes that can be in flight together: a request's first chunk (its time to first audio) then
-never waits behind a long step of later chunks of other requests (a batch-32 step of 6-block
-chunks takes ~0.7 s on an H100). A request has at most one chunk in flight."""
+padded windows, and on CUDA one CUDA graph per (batch bucket, window width) for the whole ODE."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -56,8 +50,6 @@ class Qwen2_5OmniCode2WavStage:
         self.name, self.model, self.device = name, model, device
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
-        self.in_flight: set[str] = set()  # requests with a chunk launched, not collected
-        self.use_lanes = os.environ.get("OMNISTAGE_CODE2WAV_LANES", "1") != "0"
         self.batch_sizes: list[int] = []
         self.busy_seconds = 0.0
         self.gpu = StageStream(device)
@@ -105,13 +97,6 @@ class Qwen2_5OmniCode2WavStage:
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    @property
-    def lanes(self) -> tuple[str | None, ...]:
-        """The launch lanes with overlap (module note; OMNISTAGE_CODE2WAV_LANES=0: one lane,
-        every chunk in it). One-shot decoding has one."""
-        return ("first", "main") if self.stream_config is not None and self.use_lanes \
-            else (None,)
-
     def _ready(self, req: Code2WavRequest) -> bool:
         if req.codes_finished and not req.codes:
             return True
@@ -126,19 +111,11 @@ class Qwen2_5OmniCode2WavStage:
         launched = self.launch()
         return [] if launched is None else self.collect(launched)
 
-    def launch(self, lane: str | None = None) -> LaunchedStep | None:
+    def launch(self) -> LaunchedStep | None:
         """Queue the next chunk of up to MAX_BATCH ready requests, earliest chunk first (a new
-        request's first audio goes ahead of later chunks of older ones). lane "first": first
-        chunks only; "main": later chunks only (streaming); None: any."""
-        if lane not in (None, "first", "main"):
-            raise ValueError(f"lane: None, 'first' or 'main', got {lane!r}")
+        request's first audio goes ahead of later chunks of older ones)."""
         t0 = time.perf_counter()
-        first_only = lane == "first" and self.stream_config is not None
-        later_only = lane == "main" and self.stream_config is not None
-        ready = sorted(((rid, r) for rid, r in self.requests.items()
-                        if rid not in self.in_flight and self._ready(r)
-                        and not (first_only and r.next_chunk > 0)
-                        and not (later_only and r.next_chunk == 0)),
+        ready = sorted(((rid, r) for rid, r in self.requests.items() if self._ready(r)),
                        key=lambda item: item[1].next_chunk)[:MAX_BATCH]
         events = []
         for rid, r in ready:
@@ -155,9 +132,7 @@ class Qwen2_5OmniCode2WavStage:
             if self.stream_config is None:
                 return LaunchedStep(None, events + self._whole_step(ready), start, gpu.event(),
                                     time.perf_counter() - t0)
-            chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready],
-                                         "first" if first_only else "main")
-            self.in_flight.update(rid for rid, _ in ready)
+            chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready])
             wav = torch.cat([c.waveform.float() for c in chunks])
             # one copy into pinned memory: collect() reads it once the stream gets there
             host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
@@ -175,7 +150,6 @@ class Qwen2_5OmniCode2WavStage:
             launched.end.synchronize()
         off = 0
         for (rid, r), n in zip(ready, lengths):
-            self.in_flight.discard(rid)
             wav, off = host[off:off + n].numpy().copy(), off + n
             if self.requests.get(rid) is not r:  # aborted while the chunk ran
                 continue
@@ -203,7 +177,6 @@ class Qwen2_5OmniCode2WavStage:
         events = [StageEvent(self.name, rid, finished=True, finish_reason="error", error=error)
                   for rid in self.requests]
         self.requests.clear()
-        self.in_flight.clear()
         return events
 
     def stats(self) -> dict[str, float]:

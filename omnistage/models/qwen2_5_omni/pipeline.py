@@ -138,10 +138,13 @@ class Qwen2_5OmniPipeline:
             cuda = device.type == "cuda"
             window = options["code2wav_window"]
             if window == "auto":
-                # NOTE: H100 at 7B shapes, 6- vs 3-block chunks after the first: c32 30.1 vs 25.6
-                # audio-s/s, c1 RTF 0.23 vs 0.27, same TTFA (the first chunk is 1 block)
+                # NOTE: H100 at 7B shapes, 12- vs 6-block chunks after the first (1 block):
+                # c32 50.0 vs 45.6 audio-s/s, c64 54.1 vs 48.3, c1 RTF 0.157 vs 0.164, TTFA
+                # about the same when requests arrive together; a request arriving while a
+                # batch-32 step runs waits for it (1.1 vs 0.7 s). 3 blocks: c32 25.6 (vs 30.1
+                # for 6, before the fused BigVGAN activation)
                 window = Qwen2_5OmniCode2WavStreamConfig(
-                    chunk_blocks=6, first_chunk_blocks=1) if cuda \
+                    chunk_blocks=12, first_chunk_blocks=1) if cuda \
                     else Qwen2_5OmniCode2WavStreamConfig()
             dit_dtype = options["code2wav_dit_dtype"]
             if dit_dtype is None and cuda and not os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE"):
