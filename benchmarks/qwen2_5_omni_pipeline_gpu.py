@@ -340,8 +340,11 @@ async def main_async(args, res: dict, save) -> None:
         pipeline = str(ckpt / "pipeline_process_stages.yaml")
         Path(pipeline).write_text(yaml.safe_dump(cfg))
         res["process_stages"] = args.process_stages
+    # sized for the largest round of any kind (a staggered or serial round included)
+    top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot)
+                      for c in a.split(",") if c])
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
-                       max_num_seqs=max(conc), max_num_batched_tokens=max(2048, 64 * max(conc)),
+                       max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
                        code2wav_window=window)
     res["load_s"] = round(time.perf_counter() - t1, 1)
     if dev.type == "cuda":
@@ -376,6 +379,8 @@ async def main_async(args, res: dict, save) -> None:
             "_serial_steps" if mode == "serial" else "") + (
             "_no_async_scheduling" if mode == "sync" else "") + (
             "_staggered" if mode == "staggered" else "")
+        if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
+            name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
             res["runs"][name] = "skipped: out of time"
             continue
