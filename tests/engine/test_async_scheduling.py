@@ -16,15 +16,8 @@ from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.testing.input_rows import RandomInputRows
 from omnistage.testing.tiny_lm import scale_weights_
+from tests.engine.test_cuda_graphs import LM_CFG, TALKER_CFG
 
-LM_CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
-              max_position_embeddings=4096, tie_word_embeddings=False)
-TALKER_CFG = dict(LM_CFG, embedding_size=48, rope_parameters=dict(
-    rope_theta=1e4, rope_type="default", mrope_section=[2, 3, 3]),
-    tts_codec_start_token_id=290, tts_codec_end_token_id=291, tts_codec_pad_token_id=292,
-    tts_codec_mask_token_id=293, tts_text_start_token_id=1, tts_text_end_token_id=2,
-    tts_text_pad_token_id=3)
 EOS = {5, 7, 11, 13}  # frequent enough that random weights stop some requests early
 
 
