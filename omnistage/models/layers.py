@@ -5,6 +5,7 @@ so weights load by name. NOTE: RMSNorm and RoPE run in fp32 whatever the model d
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterable
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from omnistage.engine.ar.attention import paged_attention, write_kv
+from omnistage.engine.ar.attention import _triton_ok, paged_attention, write_kv
 from omnistage.models.interface import ForwardBatch, merge_inputs
 
 
@@ -195,29 +196,18 @@ _compiled = False
 # Rope of q/k and the paged KV write in one Triton launch per layer (instead of rope in "in" and
 # two index_copy_): on CUDA unless OMNISTAGE_FUSED_ROPE_KV=0. Tests set FUSED_ROPE_KV to force
 # it on (on CPU it then runs in the Triton interpreter) or off.
-FUSED_ROPE_KV: bool | None = None  # None: by device and environment
-_rope_write_kv = None  # the kernel's wrapper once imported; False when off or unavailable
+FUSED_ROPE_KV: bool | None = None  # None: where the Triton attention runs, unless env off
 
 
-def _fused_rope_kv(device: torch.device):
-    """rope_write_kv when the fused path applies on this device, else None."""
-    global _rope_write_kv
+@functools.cache
+def _fused_rope_kv_env() -> bool:
+    return os.environ.get("OMNISTAGE_FUSED_ROPE_KV", "1") != "0"
+
+
+def _use_fused_rope_kv(device: torch.device) -> bool:
     if FUSED_ROPE_KV is not None:
-        if not FUSED_ROPE_KV:
-            return None
-        from omnistage.engine.ar.triton_rope_kv import rope_write_kv
-        return rope_write_kv
-    if device.type != "cuda":
-        return None
-    if _rope_write_kv is None:
-        _rope_write_kv = False
-        if os.environ.get("OMNISTAGE_FUSED_ROPE_KV", "1") != "0":
-            try:
-                from omnistage.engine.ar.triton_rope_kv import rope_write_kv
-                _rope_write_kv = rope_write_kv
-            except ImportError:  # no triton: the torch path
-                _rope_write_kv = False
-    return _rope_write_kv or None
+        return FUSED_ROPE_KV
+    return _triton_ok(device) and _fused_rope_kv_env()
 
 
 def compile_layer_kernels() -> None:
@@ -275,11 +265,11 @@ class DecoderLayer(nn.Module):
         if not hasattr(self, "w_qkv"):
             self.fuse()
         ln = self.input_layernorm
-        fused = _fused_rope_kv(x.device)
-        if fused is not None:
+        if _use_fused_rope_kv(x.device):
+            from omnistage.engine.ar.triton_rope_kv import rope_write_kv  # triton: lazily
             qkv = KERNELS["qkv"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
-            q = fused(qkv, cos, sin, a.k_cache, a.v_cache, batch.attn.slot_mapping,
-                      a.num_heads, a.num_kv_heads, a.head_dim)
+            q = rope_write_kv(qkv, cos, sin, a.k_cache, a.v_cache, batch.attn.slot_mapping,
+                              a.num_heads, a.num_kv_heads, a.head_dim)
         else:
             q, k, v = KERNELS["in"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv, cos, sin,
                                     a.num_heads, a.num_kv_heads, a.head_dim)

@@ -19,7 +19,7 @@ import torch
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import DetokState, detokenize_step, find_stop
 from omnistage.engine.ar.model_runner import LaunchedBatch, ModelRunner
-from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch, Scheduler
+from omnistage.engine.ar.scheduler import EngineConfig, Scheduler
 from omnistage.engine.ar.sequence import Sequence
 
 
@@ -116,36 +116,17 @@ class AREngine:
         if not self.async_scheduling or self._ahead is not None \
                 or not self.runner.can_launch_ahead(prev):
             return None
-        batch = self._schedule_ahead(prev.batch.seqs)
+        # a sequence whose prev token ends it whatever the token is: no step after prev
+        if any(self._known_end(s, len(s.output_token_ids) + 1, s.num_tokens + 1)
+               for s in prev.batch.seqs):
+            return None
+        batch = self.scheduler.schedule_ahead(prev.batch.seqs)
         if batch is None:
             return None
         self.num_steps += 1
         self.num_ahead_steps += 1
         self._ahead = self.runner.launch_ahead(batch)
         return self._ahead
-
-    def _schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
-        running = self.scheduler.running
-        if self.scheduler.waiting or len(running) != len(seqs) \
-                or any(a is not b for a, b in zip(running, seqs)):
-            return None
-        need = 0
-        for seq in seqs:
-            # after prev's token: still running, and the next position's inputs exist
-            n_out, nxt, p = len(seq.output_token_ids) + 1, seq.num_computed_tokens + 1, seq.params
-            if (self.seqs.get(seq.request_id) is not seq or nxt != seq.num_tokens
-                    or (p.max_tokens is not None and n_out >= p.max_tokens)
-                    or (seq.forced_output_ids is not None
-                        and n_out >= len(seq.forced_output_ids))
-                    or nxt + 1 >= self.config.max_model_len
-                    or (seq.input_source is not None and seq.input_source.ready(seq) <= nxt)):
-                return None
-            need += self.blocks.blocks_needed(seq, nxt + 1)
-        if need > self.blocks.num_free_blocks:
-            return None
-        for seq in seqs:
-            self.blocks.allocate(seq, seq.num_computed_tokens + 2)
-        return ScheduledBatch(list(seqs), [1] * len(seqs), ahead=1)
 
     def collect(self, launched: LaunchedBatch) -> list[SequenceUpdate]:
         """The launched step's tokens -> sequence updates (waits for its GPU work)."""
@@ -172,14 +153,10 @@ class AREngine:
         seq.output_token_ids.append(token)
         update.new_token_ids.append(token)
         p, n_out = seq.params, len(seq.output_token_ids)
-        reason = None
         if token in seq.stop_token_ids and n_out >= p.min_tokens:
             reason = "stop"
-        elif seq.forced_output_ids is not None and n_out >= len(seq.forced_output_ids):
-            reason = "stop"
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or \
-                seq.num_tokens >= self.config.max_model_len:
-            reason = "length"
+        else:
+            reason = self._known_end(seq, n_out, seq.num_tokens)
         if self.tokenizer is not None:
             state = self.detok[seq.request_id]
             new = detokenize_step(self.tokenizer, seq.output_token_ids, state,
@@ -199,6 +176,16 @@ class AREngine:
             state.emitted = upto
         if reason is not None:
             self._finish(seq, reason, update)
+
+    def _known_end(self, seq: Sequence, n_out: int, num_tokens: int) -> str | None:
+        """The finish reason at n_out output tokens (num_tokens in all) whatever they are."""
+        p = seq.params
+        if seq.forced_output_ids is not None and n_out >= len(seq.forced_output_ids):
+            return "stop"
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or \
+                num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
 
     def _finish(self, seq: Sequence, reason: str, update: SequenceUpdate,
                 error: str | None = None) -> None:

@@ -122,6 +122,27 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return batch if batch.seqs else None
 
+    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """Async scheduling: the decode step after the one in flight for `seqs`, when it is
+        the step schedule() would make then: nothing waiting, exactly these sequences running
+        (each sampled in that step), each next position's input row ready, and its KV blocks
+        free without preemption."""
+        if self.waiting or len(self.running) != len(seqs) \
+                or any(a is not b for a, b in zip(self.running, seqs)):
+            return None
+        need = 0
+        for seq in seqs:
+            nxt = seq.num_computed_tokens + 1  # prev's position + 1
+            if nxt != seq.num_tokens or (seq.input_source is not None
+                                         and seq.input_source.ready(seq) <= nxt):
+                return None
+            need += self.blocks.blocks_needed(seq, nxt + 1)
+        if need > self.blocks.num_free_blocks:
+            return None
+        for seq in seqs:
+            self.blocks.allocate(seq, seq.num_computed_tokens + 2)
+        return ScheduledBatch(list(seqs), [1] * len(seqs), ahead=1)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
