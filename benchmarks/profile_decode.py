@@ -49,6 +49,8 @@ from benchmarks.qwen2_5_omni_gpu import thinker_seqs as prompt_seqs  # noqa: E40
 
 WARM = 4  # tokens per sequence before timing (prefill, graph captures)
 RUN_STEPS = 20  # steps with the synchronized timer around each graph run
+MODES = ("legacy", "device")  # --device-only: the device-state sampler alone
+KERNEL_PROFILE = False  # --kernels: kernel times inside the step's graphs
 
 
 def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
@@ -110,14 +112,41 @@ def measure(engine: AREngine, seqs: list[Sequence], steps: int, legacy: bool, de
             end.record()
             end.synchronize()
             res["replay_ms"] = round(start.elapsed_time(end) / 20, 3)
+            if KERNEL_PROFILE:
+                res["kernels"] = kernel_profile(fwd, head)
     for s in seqs:
         engine.abort(s.request_id)
     return res
 
 
+def kernel_profile(fwd, head, reps: int = 10) -> dict:
+    """The step's graphs replayed under the profiler: GPU time of the kernels inside them (sum and
+    top kernels per step) against the replay's span, whose difference is launch gaps/ramps."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fwd.graph.replay()
+            if head is not None:
+                head.graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return {"error": "no kernels recorded inside the graphs"}
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels))
+    by_name: dict = {}
+    for e in kernels:
+        n, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, us + e.time_range.elapsed_us())
+    busy = sum(us for _, us in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]
+    return {"kernels_per_step": round(len(kernels) / reps, 1),
+            "kernel_us_per_step": round(busy / reps, 1), "span_us_per_step": round(span / reps, 1),
+            "top": [(name[:70], round(n / reps, 1), round(us / reps, 1)) for name, (n, us) in top]}
+
+
 def section(res: dict, name: str, engine: AREngine, make, batches, steps: int, dev) -> None:
     for B in batches:
-        for mode in ("legacy", "device"):
+        for mode in MODES:
             key = f"{name}_b{B}_{mode}"
             try:
                 res[key] = measure(engine, make(B, key), steps, mode == "legacy", dev)
@@ -129,18 +158,7 @@ def section(res: dict, name: str, engine: AREngine, make, batches, steps: int, d
             b["tokens_match_legacy"] = a["tokens"] == b["tokens"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
-    ap.add_argument("--profile", action="store_true", help="cProfile of thinker batch-1 steps")
-    args = ap.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = omni_config(args.tiny)
-    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                 "steps": args.steps}
-    n = WARM + 2 * args.steps + RUN_STEPS + 8  # min_tokens = max_tokens: never stops here
+def run_thinker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
     try:
         thinker = build(Qwen2_5OmniThinkerForCausalLM, cfg["thinker_config"], dev, dtype)
         eng = AREngine(thinker, EngineConfig(max_model_len=1024, max_num_seqs=32,
@@ -168,9 +186,9 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         res["thinker_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc(file=sys.stderr)
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+
+
+def run_talker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
     try:
         talker = build(Qwen2_5OmniTalkerForCausalLM, cfg["talker_config"], dev, dtype)
         eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=8,
@@ -180,6 +198,36 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         res["talker_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc(file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of thinker batch-1 steps")
+    ap.add_argument("--kernels", action="store_true",
+                    help="kernel times inside the step's graphs (profiler), per case")
+    ap.add_argument("--only", choices=("thinker", "talker"), default=None)
+    ap.add_argument("--device-only", action="store_true",
+                    help="skip the legacy host-built sampler cases")
+    args = ap.parse_args()
+    global KERNEL_PROFILE, MODES
+    KERNEL_PROFILE = args.kernels
+    if args.device_only:
+        MODES = ("device",)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = omni_config(args.tiny)
+    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                 "steps": args.steps}
+    n = WARM + 2 * args.steps + RUN_STEPS + 8  # min_tokens = max_tokens: never stops here
+    if args.only != "talker":
+        run_thinker(res, args, cfg, n, dev, dtype)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.only != "thinker":
+        run_talker(res, args, cfg, n, dev, dtype)
     for v in res.values():  # keep the JSON short: tokens only served the comparison
         if isinstance(v, dict):
             v.pop("tokens", None)

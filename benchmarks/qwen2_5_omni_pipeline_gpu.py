@@ -341,7 +341,8 @@ async def main_async(args, res: dict, save) -> None:
         Path(pipeline).write_text(yaml.safe_dump(cfg))
         res["process_stages"] = args.process_stages
     # sized for the largest round of any kind (a staggered or serial round included)
-    top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot)
+    top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot,
+                                       args.first_shared, args.staggered_first_shared)
                       for c in a.split(",") if c])
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
@@ -372,13 +373,17 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), "serial") for c in args.serial.split(",") if c]
     rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
     rounds += [(int(c), "staggered") for c in args.staggered.split(",") if c]
+    rounds += [(int(c), "first_shared") for c in args.first_shared.split(",") if c]
+    rounds += [(int(c), "staggered_first_shared")
+               for c in args.staggered_first_shared.split(",") if c]
     res["overlap"] = llm.runtime.overlap
     for i, (c, mode) in enumerate(rounds):
         oneshot = mode is True
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
             "_serial_steps" if mode == "serial" else "") + (
             "_no_async_scheduling" if mode == "sync" else "") + (
-            "_staggered" if mode == "staggered" else "")
+            "_staggered" if mode in ("staggered", "staggered_first_shared") else "") + (
+            "_first_chunk_shared" if mode in ("first_shared", "staggered_first_shared") else "")
         if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
             name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
@@ -398,8 +403,11 @@ async def main_async(args, res: dict, save) -> None:
         async_on = [e.async_scheduling for e in engines]
         for e in engines:  # read at each launch; no step is queued between rounds
             e.async_scheduling = e.async_scheduling and mode != "sync"
+        first_alone = getattr(stage, "first_alone", None)
+        if stage is not None and mode in ("first_shared", "staggered_first_shared"):
+            stage.first_alone = False
         try:
-            if mode == "staggered":
+            if mode in ("staggered", "staggered_first_shared"):
                 res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
                                                     seed=c, stagger_s=args.stagger_window_s)
             else:
@@ -412,6 +420,7 @@ async def main_async(args, res: dict, save) -> None:
                 e.async_scheduling = on
             if stage is not None:
                 stage.stream_config = window
+                stage.first_alone = first_alone
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         save(name)
@@ -441,6 +450,11 @@ def main() -> None:
                     help="concurrencies also run with arrivals spread evenly over "
                          "--stagger-window-s")
     ap.add_argument("--stagger-window-s", type=float, default=6.0)
+    ap.add_argument("--first-shared", default="",
+                    help="concurrencies also run with first audio chunks sharing the GPU with "
+                         "the AR stages (OMNISTAGE_FIRST_CHUNK_ALONE=0 for that round)")
+    ap.add_argument("--staggered-first-shared", default="",
+                    help="staggered rounds with first chunks sharing the GPU")
     ap.add_argument("--c1-repeats", type=int, default=3,
                     help="concurrency-1 rounds run this many times (medians reported)")
     ap.add_argument("--profile-code2wav", action="store_true")

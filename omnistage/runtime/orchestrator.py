@@ -281,10 +281,11 @@ class Orchestrator:
         else:
             self._drain_control(block=not busy)
         self._expire()
+        alone = any(launched.exclusive for launched in self.inflight.values())
         for name, host in self.hosts.items():
             if name in self.remote:
                 self._poll_remote(name)
-            elif host.has_work() and name not in self.inflight:
+            elif host.has_work() and name not in self.inflight and not alone:
                 if name in self.step_delay:
                     time.sleep(self.step_delay[name])
                 if self.overlap:

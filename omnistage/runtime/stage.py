@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from omnistage.engine.ar.cuda_graphs import private_stream
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
 
@@ -51,6 +52,9 @@ class LaunchedStep:
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
     wall_seconds: float = 0.0  # host time of the launch
+    # the GPU runs this step alone: the orchestrator launches no other stage's step until it
+    # is collected (a latency-critical step that contention with the others would slow down)
+    exclusive: bool = False
 
     def done(self) -> bool:
         return self.end is None or self.end.query()
@@ -84,7 +88,7 @@ class StageStream:
             key = (device, share or "")
             stream = self._shared.get(key) if share else None
             if stream is None:
-                stream = torch.cuda.Stream(device, priority=-1 if high_priority else 0)
+                stream = private_stream(device, high_priority)
                 if share:
                     self._shared[key] = stream
             self.stream = stream

@@ -95,3 +95,83 @@ def test_code2wav_abort_while_a_chunk_is_in_flight(tiny_omni_dir):
     assert [e.request_id for e in events] == ["b"]
     assert events[0].audio is not None and len(events[0].audio) > 0
     assert "a" not in stage.requests
+
+
+def test_first_chunk_steps_run_alone(tiny_omni_dir, monkeypatch):
+    """OMNISTAGE_FIRST_CHUNK_ALONE: a code2wav step with first chunks holds only first chunks,
+    no other stage launches while it is in flight, and the outputs stay those of serial steps."""
+    from omnistage.runtime.orchestrator import Orchestrator
+    from omnistage.models.qwen2_5_omni.code2wav_stage import Qwen2_5OmniCode2WavStage
+    serial, _, _ = _run(tiny_omni_dir, monkeypatch, "0")
+    monkeypatch.setenv("OMNISTAGE_FIRST_CHUNK_ALONE", "1")
+    launches: list[tuple[str, bool]] = []  # (stage, an exclusive step was in flight)
+    # code2wav steps: (exclusive, the chunks it decoded, another request waited for audio)
+    steps: list[tuple[bool, list[int], bool]] = []
+    real_launch, real_c2w = Orchestrator._launch, Qwen2_5OmniCode2WavStage.launch
+
+    def launch(self, name, host):
+        launches.append((name, any(s.exclusive for s in self.inflight.values())))
+        return real_launch(self, name, host)
+
+    class SlowEnd:  # on the CPU a step is done at once: keep exclusive ones in flight a while
+        def __init__(self) -> None:
+            self.polls = 0
+
+        def query(self) -> bool:
+            self.polls += 1
+            return self.polls > 3
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return 1.0
+
+    def c2w_launch(self):
+        chunks = {rid: r.next_chunk for rid, r in self.requests.items()}
+        launched = real_c2w(self)
+        if launched is not None and launched.state is not None:
+            mine = [rid for rid, _ in launched.state[0]]
+            others_wait = any(n == 0 and rid not in mine for rid, n in chunks.items())
+            steps.append((launched.exclusive, [chunks[rid] for rid in mine], others_wait))
+            if launched.exclusive:
+                launched.start, launched.end = SlowEnd(), SlowEnd()
+        return launched
+
+    monkeypatch.setattr(Orchestrator, "_launch", launch)
+    monkeypatch.setattr(Qwen2_5OmniCode2WavStage, "launch", c2w_launch)
+    overlapped, _, _ = _run(tiny_omni_dir, monkeypatch, "1")
+    assert launches and not any(held for _, held in launches)
+    # alone: only first chunks, and no other request was still waiting for its first audio
+    alone = [(chunks, wait) for exclusive, chunks, wait in steps if exclusive]
+    assert alone and all(set(chunks) == {0} and not wait for chunks, wait in alone)
+    # a step with first chunks while another request waited: shared, as before
+    assert all(wait for exclusive, chunks, wait in steps if not exclusive and 0 in chunks)
+    assert sum(chunks.count(0) for _, chunks, _ in steps) == 3  # each first chunk once
+    for a, b in zip(serial, overlapped, strict=True):
+        assert b.error is None and a.token_ids == b.token_ids
+        assert b.audio.shape == a.audio.shape and np.abs(a.audio - b.audio).max() < 1e-5
+
+
+def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monkeypatch):
+    monkeypatch.setenv("OMNISTAGE_FIRST_CHUNK_ALONE", "1")
+    llm = OmniLLM(str(tiny_omni_dir))
+    llm.shutdown()
+    stage = llm.pipeline.workers["code2wav"]
+    assert stage.first_alone
+    voice = next(iter(llm.pipeline.voices.values()))
+    from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest
+    for rid in ("a", "b"):
+        stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
+    stage.add_codes("a", [5] * 120, finished=False)
+    launched = stage.launch()  # a's first chunk while b still waits for its first audio
+    assert not launched.exclusive and [rid for rid, _ in launched.state[0]] == ["a"]
+    stage.collect(launched)
+    stage.add_codes("b", [7] * 120, finished=False)
+    assert stage.requests["a"].stream.ready_chunks() > 1  # a's next chunk is ready too
+    launched = stage.launch()  # b is the last one waiting: its first chunk alone
+    assert launched.exclusive and [rid for rid, _ in launched.state[0]] == ["b"]
+    events = stage.collect(launched)
+    assert [e.request_id for e in events] == ["b"] and len(events[0].audio) > 0
+    launched = stage.launch()
+    assert not launched.exclusive and sorted(rid for rid, _ in launched.state[0]) == ["a", "b"]

@@ -27,12 +27,38 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.sampler import SamplerState, StepSampling
 from omnistage.models.interface import ForwardBatch
+
+_HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
+
+
+def private_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
+    """A CUDA stream that no other private_stream() caller of this process holds.
+
+    NOTE: torch.cuda.Stream() hands out streams round-robin from a pool of 32 per priority, so
+    a process that asks for many (one per graph capture, say) gets the same CUDA stream twice.
+    cuBLAS keeps one workspace per stream and a CUDA graph bakes in the one of the stream it
+    was captured on: graphs whose capture streams alias share a workspace, and replayed side by
+    side (thinker/talker beside code2wav) their split-K kernels hang the GPU. Seen on the H100:
+    code2wav's decoder, built after the AR stages' captures, got the talker's capture stream.
+    """
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    held = _HELD_STREAMS.setdefault(index, set())
+    for _ in range(64):  # two passes over a pool of 32
+        stream = torch.cuda.Stream(index, priority=-1 if high_priority else 0)
+        if stream.cuda_stream not in held:
+            held.add(stream.cuda_stream)
+            # free for another holder once this one is gone (its graphs went with it)
+            weakref.finalize(stream, held.discard, stream.cuda_stream)
+            return stream
+    raise RuntimeError(f"cuda:{index}: every stream of torch's pool (32 per priority) is held")
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -127,7 +153,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # forward graphs
         self.heads: dict[tuple, _Graph | None] = {}  # None: capture failed
         self.pool = None
-        self.capture_stream = torch.cuda.Stream(device) if self.capture else None
+        # captures and their warm-up runs: streams of this runner's own (see private_stream)
+        self.capture_stream = private_stream(device) if self.capture else None
+        self.warm_stream = private_stream(device) if self.capture else None
         event = torch.cuda.Event if cuda else _HostEvent
         self.copied = [event(), event()]  # the input copy has read host[i]
         self.sampled = [event(), event()]  # tokens_host[i] holds the run's ids
@@ -255,7 +283,7 @@ class DecodeGraphs:
                 self.hidden = torch.zeros(self.max_size, out.shape[-1], dtype=out.dtype,
                                           device=self.device)
             return _EagerGraph(fn, out)
-        s = torch.cuda.Stream(self.device)
+        s = self.warm_stream
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):  # warm-up: Triton compiles, lazy buffers settle
             for _ in range(2):

@@ -29,6 +29,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from omnistage.engine.ar.cuda_graphs import private_stream
+
 from .code2wav_fast import DTYPES, Qwen2_5OmniFastDiT
 from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               Qwen2_5OmniCode2WavChunk, Qwen2_5OmniCode2WavSpan,
@@ -129,7 +131,9 @@ class Qwen2_5OmniCode2WavDecoder:
         self.dit_graphs: dict[tuple[int, int], _Graph] = {}
         self.voc_graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        # captures and their warm-up runs: streams of this decoder's own (private_stream)
+        self.capture_stream = private_stream(self.device) if self.use_graphs else None
+        self.warm_stream = private_stream(self.device) if self.use_graphs else None
         self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
         self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
 
@@ -215,7 +219,7 @@ class Qwen2_5OmniCode2WavDecoder:
     def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, int, int]
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
+        side = self.warm_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         # warm-up: library handles, workspaces, autotuning (compiled code: compiled already)
         with torch.cuda.stream(side):
