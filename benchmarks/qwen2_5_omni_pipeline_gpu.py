@@ -167,7 +167,8 @@ def stage_stats(llm: AsyncOmniLLM) -> dict:
     s = llm.runtime.stats()
     return {"busy": {k: v.get("busy_seconds", 0.0) for k, v in s.items()},
             "steps": {k: v.get("steps", 0) for k, v in s.items() if "steps" in v},
-            "c2w_chunks": s["code2wav"].get("chunks", 0)}
+            "c2w_chunks": s["code2wav"].get("chunks", 0),
+            "c2w_alone": s["code2wav"].get("alone_steps", 0)}
 
 
 async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int,
@@ -214,6 +215,7 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     res["stage_ms_per_step"] = busy_ms
     res["loop_busy_fraction"] = round(sum(busy.values()) / wall, 3)
     res["code2wav_batch_mean"] = round(c2w_chunks / max(1, steps.get("code2wav", 1)), 2)
+    res["code2wav_alone_steps"] = after["c2w_alone"] - before["c2w_alone"]
     return res
 
 

@@ -210,6 +210,29 @@ def _use_fused_rope_kv(device: torch.device) -> bool:
     return _triton_ok(device) and _fused_rope_kv_env()
 
 
+# Decode steps of <= GEMV_MAX_ROWS rows: the dense parts of a layer in 3 Triton GEMV launches
+# (triton_gemv.py: norm + q/k/v, o_proj + residual -> post norm + gate/up + SiLU, down +
+# residual) instead of compiled norms around cuBLAS GEMMs. On CUDA with the fused rope + KV
+# write unless OMNISTAGE_TRITON_GEMV=0; tests set TRITON_GEMV to force it on (interpreter on
+# CPU; it still needs the fused rope path) or off. One row only: at 2-8 rows the tl.dot
+# variant was slower than cuBLAS on the H100 (talker gate/up 42 vs 27 us at M = 8).
+TRITON_GEMV: bool | None = None  # None: on CUDA unless env off
+GEMV_MAX_ROWS = 1
+
+
+@functools.cache
+def _triton_gemv_env() -> bool:
+    return os.environ.get("OMNISTAGE_TRITON_GEMV", "1") != "0"
+
+
+def _use_triton_gemv(x: torch.Tensor) -> bool:
+    if x.shape[0] > GEMV_MAX_ROWS or not _use_fused_rope_kv(x.device):
+        return False
+    if TRITON_GEMV is not None:
+        return TRITON_GEMV
+    return _triton_ok(x.device) and _triton_gemv_env()
+
+
 def compile_layer_kernels() -> None:
     """Swap in torch.compile'd layer kernels (once per process; CUDA only)."""
     global _compiled
@@ -265,9 +288,15 @@ class DecoderLayer(nn.Module):
         if not hasattr(self, "w_qkv"):
             self.fuse()
         ln = self.input_layernorm
+        gemv = _use_triton_gemv(x)  # decode rows: Triton GEMVs for the dense parts
+        if gemv:
+            from omnistage.engine.ar import triton_gemv as tg  # triton: lazily
         if _use_fused_rope_kv(x.device):
             from omnistage.engine.ar.triton_rope_kv import rope_write_kv  # triton: lazily
-            qkv = KERNELS["qkv"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
+            if gemv:
+                qkv = tg.norm_gemv(x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
+            else:
+                qkv = KERNELS["qkv"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
             q = rope_write_kv(qkv, cos, sin, a.k_cache, a.v_cache, batch.attn.slot_mapping,
                               a.num_heads, a.num_kv_heads, a.head_dim)
         else:
@@ -276,6 +305,10 @@ class DecoderLayer(nn.Module):
             write_kv(k, v, a.k_cache, a.v_cache, batch.attn.slot_mapping)
         o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale)
         post = self.post_attention_layernorm
+        if gemv:
+            x = tg.gemv_residual(o.reshape(o.shape[0], -1), a.o_proj.weight, x)
+            h = tg.norm_gemv_silu_mul(x, post.weight, post.eps, self.w_gate_up, self.b_gate_up)
+            return tg.gemv_residual(h, m.down_proj.weight, x, m.down_proj.bias)
         return KERNELS["out"](x, o, a.o_proj.weight, post.weight, post.eps, self.w_gate_up,
                               self.b_gate_up, m.down_proj.weight, m.down_proj.bias)
 

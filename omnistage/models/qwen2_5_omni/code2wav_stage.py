@@ -61,6 +61,7 @@ class Qwen2_5OmniCode2WavStage:
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
         self.batch_sizes: list[int] = []
+        self.alone_steps = 0  # steps of first chunks that ran with the GPU to themselves
         self.busy_seconds = 0.0
         self.gpu = StageStream(device)
         # a step with a request's first chunk runs ahead of the AR stages: it is that
@@ -143,6 +144,7 @@ class Qwen2_5OmniCode2WavStage:
             r.next_chunk == 0 for r in self.requests.values())
         if alone:  # later chunks wait for the next step: their audio is already playing
             ready = first
+            self.alone_steps += 1
         self.batch_sizes.append(len(ready))
         gpu = self.gpu_first if first else self.gpu
         with gpu.active(launch=True):  # (the previous step was collected: done on the GPU)
@@ -204,5 +206,6 @@ class Qwen2_5OmniCode2WavStage:
                 "batch_size": self.batch_sizes[-1] if self.batch_sizes else 0,
                 "max_batch_size": max(self.batch_sizes, default=0),
                 "chunks": sum(self.batch_sizes), "steps": len(self.batch_sizes),
+                "alone_steps": self.alone_steps,
                 "busy_seconds": self.busy_seconds,
                 **({} if self._decoder is None else self._decoder.stats())}

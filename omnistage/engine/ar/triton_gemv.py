@@ -1,0 +1,325 @@
+"""Decode GEMVs for small batches (M <= 8 rows): the dense parts of a decoder layer in 3 launches.
+
+  norm_gemv          rmsnorm(x) @ W.T + b                  (input norm -> fused q/k/v)
+  norm_gemv_silu_mul silu(gate) * up of rmsnorm(x) @ W.T   (post norm -> fused gate/up -> SiLU)
+  gemv_residual      residual + x @ W.T + b                (o_proj / down_proj + residual)
+
+NOTE: at decode batch sizes a linear layer is a weight stream: W [N, K] is read once per step
+and each element feeds only M FMAs. Each program owns BLOCK_N rows of W and all M rows of x,
+streams [BLOCK_N, BLOCK_K] tiles of W along K (16-byte loads, up to 1 KB of each row per
+step; evict-first, as W is not read again this step) and keeps fp32 accumulators [M, BLOCK_N].
+The products are either tl.dot (M padded to 16, tensor cores) or broadcast FMAs reduced along
+K (no padding: the better choice at M = 1). A norm is recomputed
+by every program from x (M x K elements, L2-resident) instead of costing a launch. When too few
+programs cover the GPU (N / BLOCK_N small, K large: the down projection), K is split and a
+second launch sums the fp32 partials in a fixed order (deterministic, no atomics) and runs the
+epilogue there. Launch shapes depend only on tensor shapes: CUDA-graph capturable.
+
+Rounding follows the torch expressions in models/layers.py: the norm casts to the dtype before
+the product with its weight (product rounded to the dtype), a linear's output is rounded to
+the dtype before the residual add, and gate/up are rounded before the SiLU and the product.
+Arithmetic is done in fp32 on values cast from the dtype (NOTE: Triton's interpreter gets
+bf16 arithmetic and bf16 tl.dot wrong, and truncates fp32 -> bf16 casts, so under it the dot
+operands are upcast; the tests account for the truncation).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if _INTERPRET:
+    _math = tl  # the interpreter implements tl.exp, not libdevice
+else:
+    from triton.language.extra import libdevice as _math  # precise expf, as torch's silu
+
+MAX_ROWS = 16  # x rows one launch takes (designed for decode batches <= 8)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # rows of W per program (per half for gate/up)
+    block_k: int  # K elements per loop step
+    split_k: int = 1  # K ranges, summed by a second launch
+    use_dot: bool = False  # tl.dot with M padded to 16, else FMAs + a reduction along K
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Explicit choices for Qwen2.5-Omni's bf16 shapes, (W rows N, K) -> (M = 1 config, 2 <= M
+# config). M = 1: the winners of `benchmarks/gemv_gpu.py --sections sweep --sweep-ms 1` on the
+# H100 (each field varied from a first guess, us per call, weights streamed from HBM):
+#   talker  qkv 5.88 -> 4.63 (cuBLAS alone 4.78), o 5.46 -> 4.73 (5.10), gate/up 31.1 -> 26.5
+#           (26.6 without the SiLU), down 21.3 -> 17.7 (16.0 without the residual);
+#   thinker qkv 19.5 -> 15.5 (14.7), o 14.6 -> 13.2 (11.8), gate/up 108.7 -> 96.5 (98.2),
+#           down 55.4 -> 50.1 (52.3)
+# (a second sweep from the first one's winners). BLOCK_N 8 and BLOCK_K 1024 (2 KB of
+# each W row per step) won almost everywhere; split-K only for the down projections' long K
+# and the thinker's o_proj. 2 <= M (tl.dot, M padded to 16): first guesses,
+# slower than cuBLAS on the H100 (layers.py takes this path at M = 1 only).
+_C = GemvConfig
+_TABLE = {
+    # talker: d 896, 12 heads, 4 KV heads, ffn 18944
+    (2560, 896): (_C(8, 1024), _C(16, 512, use_dot=True)),
+    (896, 1536): (_C(8, 1024, num_warps=2, num_stages=2), _C(16, 512, 3, use_dot=True)),
+    (37888, 896): (_C(8, 1024, num_warps=2, num_stages=2), _C(16, 256, use_dot=True)),
+    (896, 18944): (_C(8, 512, 8, num_stages=2), _C(16, 512, 5, use_dot=True)),
+    # thinker: d 3584, 28 heads, 4 KV heads, ffn 18944
+    (4608, 3584): (_C(8, 1024), _C(16, 512, use_dot=True)),
+    (3584, 3584): (_C(8, 512, 2, num_warps=2), _C(16, 512, 2, use_dot=True)),
+    (37888, 3584): (_C(8, 1024, num_stages=4), _C(16, 256, use_dot=True)),
+    (3584, 18944): (_C(8, 1024, 2), _C(16, 512, 2, use_dot=True)),
+}
+# keyed (N, K, M bucket: 1, or 8 for 2 <= M <= MAX_ROWS); benchmarks may edit it
+CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (n, k, mb): cfg for (n, k), pair in _TABLE.items() for mb, cfg in zip((1, 8), pair)}
+_STAGE_BYTES = 32 * 1024
+
+
+def _heuristic(n_rows: int, k: int, m_bucket: int, elem: int, silu: bool, norm: bool,
+               sms: int) -> GemvConfig:
+    use_dot = m_bucket > 1
+    block_n = 16
+    tile_rows = block_n * (2 if silu else 1) + (16 if use_dot else 0)  # per stage
+    block_k = 1024 // elem  # 1 KB of a row per step
+    while block_k > 64 and tile_rows * block_k * elem > _STAGE_BYTES:
+        block_k //= 2
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    n_prog = triton.cdiv(n_rows // (2 if silu else 1), block_n)
+    split = 1
+    if not norm and n_prog < 2 * sms:
+        split = max(1, min(triton.cdiv(2 * sms, n_prog), triton.cdiv(k, block_k)))
+    return GemvConfig(block_n, block_k, split, use_dot=use_dot)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_config(n_rows: int, k: int, m: int, dtype: torch.dtype, silu: bool, norm: bool,
+                device: torch.device) -> GemvConfig:
+    """The table's entry for bf16/fp16 (N, K, M bucket), else the heuristic."""
+    bucket = 1 if m == 1 else 8
+    elem = torch.finfo(dtype).bits // 8
+    if elem == 2 and (n_rows, k, bucket) in CONFIGS:
+        return CONFIGS[(n_rows, k, bucket)]
+    return _heuristic(n_rows, k, bucket, elem, silu, norm, _num_sms(device))
+
+
+@triton.jit
+def _mac(acc, xk, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    # acc [M_PAD, BLOCK_N] fp32 += xk [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T
+    if USE_DOT:
+        if DOT_F32:
+            return tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                          input_precision="ieee")
+        return tl.dot(xk, tl.trans(w), acc)
+    prod = w.to(tl.float32)[None, :, :] * xk.to(tl.float32)[:, None, :]
+    return acc + tl.sum(prod, axis=2)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr):
+    # acc/acc_up: [M_PAD, BLOCK_N] fp32 sums of rows rm, columns rn -> out (dtype)
+    ty = out_ptr.dtype.element_ty
+    n_ok = rn < N
+    mask = (rm < M)[:, None] & n_ok[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:  # gate and up rounded as a dtype linear's output, silu rounded, then the product
+        g = acc.to(ty).to(tl.float32)
+        u = acc_up.to(ty).to(tl.float32)
+        y = (g / (1.0 + _math.exp(-g))).to(ty).to(tl.float32) * u
+    elif HAS_RES:
+        res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+        y = res.to(tl.float32) + acc.to(ty).to(tl.float32)
+    else:
+        y = acc
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr,
+    M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_rm, stride_om,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # grid (cdiv(N, BLOCK_N), splits); N = output columns (F for gate/up: up rows start at F)
+    ty = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, M_PAD)
+    m_ok = rm < M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # [M_PAD, 1]
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    up_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn  # gate/up: the up half
+
+    if HAS_NORM:  # this row's sum of squares over all of K (x is small and L2-resident)
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, NORM_K):
+            kn = k0 + tl.arange(0, NORM_K)
+            xs = tl.load(x_rows + kn[None, :], mask=m_ok[:, None] & (kn < K)[None, :],
+                         other=0.0, eviction_policy="evict_last").to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            x_mask = m_ok[:, None]
+            w_mask = n_ok[:, None]
+        else:
+            k_ok = kk < K
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :]
+        xk = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0, eviction_policy="evict_last")
+        if HAS_NORM:  # (x * rstd).to(dtype), then * ln_w rounded to the dtype
+            lw = tl.load(ln_ptr + kk, mask=kk < K, other=0.0, eviction_policy="evict_last")
+            xn = (xk.to(tl.float32) * rstd[:, None]).to(ty).to(tl.float32)
+            xk = (xn * lw.to(tl.float32)[None, :]).to(ty)
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc = _mac(acc, xk, w, USE_DOT, DOT_F32)
+        if SILU_MUL:
+            w_up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0,
+                           eviction_policy="evict_first")
+            acc_up = _mac(acc_up, xk, w_up, USE_DOT, DOT_F32)
+
+    if SPLIT:  # fp32 partials [splits, M, N (x2 for gate/up)], summed by _reduce_kernel
+        width = 2 * N if SILU_MUL else N
+        part = out_ptr + pid_k * M * width + rm[:, None] * width + rn[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        tl.store(part, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(part + N, acc_up, mask=mask)
+    else:
+        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                  HAS_BIAS, SILU_MUL, HAS_RES)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr, b_ptr, res_ptr, out_ptr, M, N, S, stride_rm, stride_om,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    # grid (cdiv(N, BLOCK_N),): sums the S partials in order, then the epilogue
+    rm = tl.arange(0, M_PAD)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    width = 2 * N if SILU_MUL else N
+    ptrs = part_ptr + rm[:, None] * width + rn[None, :]
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(ptrs + s * M * width, mask=mask, other=0.0)
+        if SILU_MUL:
+            acc_up += tl.load(ptrs + s * M * width + N, mask=mask, other=0.0)
+    _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+              HAS_BIAS, SILU_MUL, HAS_RES)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, expected {list(shape)} {dtype}")
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.Tensor | None,
+          eps: float, residual: torch.Tensor | None, silu: bool,
+          config: GemvConfig | None) -> torch.Tensor:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected [M, K] and [N, K]")
+    M, K = x.shape
+    n_rows = w.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"x: {M} rows; these GEMVs take at most {MAX_ROWS}")
+    if x.dtype != w.dtype or not x.dtype.is_floating_point:
+        raise ValueError(f"x dtype {x.dtype} and w dtype {w.dtype} must be the same float type")
+    if silu and n_rows % 2:
+        raise ValueError(f"w_gate_up: {n_rows} rows, expected 2 * F")
+    N = n_rows // 2 if silu else n_rows
+    if b is not None:
+        _check("b", b, (n_rows,), x.dtype)
+    if ln_w is not None:
+        _check("ln_w", ln_w, (K,), x.dtype)
+    if residual is not None:
+        _check("residual", residual, (M, N), x.dtype)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or pick_config(n_rows, K, M, x.dtype, silu, ln_w is not None, x.device)
+    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(K, k_split)
+    m_pad = 16 if cfg.use_dot else triton.next_power_of_2(M)
+    width = 2 * N if silu else N
+    part = torch.empty(splits, M, width, dtype=torch.float32, device=x.device) \
+        if splits > 1 else out
+    dummy = out  # stands in for absent pointers (never read: constexpr-guarded)
+    res = residual if residual is not None else dummy
+    flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None)
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
+        x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, part,
+        M, N, K, k_split, float(eps), x.stride(0), w.stride(0), res.stride(0), out.stride(0),
+        M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NORM_K=max(16, min(triton.next_power_of_2(K), 8192 // m_pad)),
+        HAS_NORM=ln_w is not None, SPLIT=splits > 1,
+        EVEN_K=K % cfg.block_k == 0,  # k_split is a multiple of block_k: full steps
+        USE_DOT=cfg.use_dot, DOT_F32=_INTERPRET or x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+    if splits > 1:
+        m_red = triton.next_power_of_2(M)
+        block = max(16, 1024 // m_red)
+        _reduce_kernel[(triton.cdiv(N, block),)](
+            part, b if b is not None else dummy, res, out, M, N, splits, res.stride(0),
+            out.stride(0), M_PAD=m_red, BLOCK_N=block, num_warps=4, **flags)
+    return out
+
+
+def norm_gemv(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor,
+              b: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """rms_norm(x, ln_w, eps) @ w.T + b, as layers.attention_qkv.
+
+    x: [M, K]; ln_w: [K]; w: [N, K]; b: [N] -> [M, N], all one float dtype (fp32 accumulation).
+    """
+    return _gemv(x, w, b, ln_w, eps, None, False, config)
+
+
+def norm_gemv_silu_mul(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
+                       b: torch.Tensor | None = None,
+                       config: GemvConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up with gate, up = (rms_norm(x) @ w_gate_up.T + b).chunk(2, -1).
+
+    x: [M, K]; ln_w: [K]; w_gate_up: [2F, K] (gate rows, then up rows); b: [2F] -> [M, F].
+    """
+    return _gemv(x, w_gate_up, b, ln_w, eps, None, True, config)
+
+
+def gemv_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
+                  b: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """residual + (x @ w.T + b), the linear's output rounded to the dtype before the add.
+
+    x: [M, K]; w: [N, K]; residual: [M, N]; b: [N] -> [M, N] (a new tensor).
+    """
+    return _gemv(x, w, b, None, 0.0, residual, False, config)
