@@ -41,6 +41,9 @@ ROUND_TIMEOUT_S = float(os.environ.get("OMNISTAGE_BENCH_ROUND_TIMEOUT", "240"))
 MARKER = "pipeline_bench_build.json"
 HF_H100 = {"bs1_rtf": 5.285, "bs1_first_audio_s": 108.23, "bs8_audio_s_per_s": 1.641,
            "bs32_audio_s_per_s": 3.273}
+# --staggered-modes: code2wav policies of a staggered round (unset: the stage's own)
+STAGGERED_MODES = {"default": {}, "first_shared": {"first_alone": False},
+                   "no_align": {"align": False}, "plain": {"first_alone": False, "align": False}}
 TARGETS = {"ttfa_s_c1": 0.25, "rtf_c1": 0.10, "audio_s_per_s_c32": 65.0}
 
 
@@ -345,7 +348,8 @@ async def main_async(args, res: dict, save) -> None:
     # sized for the largest round of any kind (a staggered or serial round included)
     top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot,
                                        args.first_shared, args.staggered_first_shared)
-                      for c in a.split(",") if c])
+                      for c in a.split(",") if c]
+              + ([args.staggered_c] if args.staggered_modes else []))
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
                        code2wav_window=window)
@@ -378,14 +382,21 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), "first_shared") for c in args.first_shared.split(",") if c]
     rounds += [(int(c), "staggered_first_shared")
                for c in args.staggered_first_shared.split(",") if c]
+    for m in (m for m in args.staggered_modes.split(",") if m):
+        if m not in STAGGERED_MODES:
+            raise SystemExit(f"--staggered-modes: {m!r} is not one of {sorted(STAGGERED_MODES)}")
+        rounds.append((args.staggered_c, f"staggered_{m}"))
     res["overlap"] = llm.runtime.overlap
     for i, (c, mode) in enumerate(rounds):
         oneshot = mode is True
+        staggered = mode == "staggered" or str(mode).startswith("staggered_")
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
             "_serial_steps" if mode == "serial" else "") + (
             "_no_async_scheduling" if mode == "sync" else "") + (
-            "_staggered" if mode in ("staggered", "staggered_first_shared") else "") + (
-            "_first_chunk_shared" if mode in ("first_shared", "staggered_first_shared") else "")
+            "_staggered" if staggered else "") + (
+            "_first_chunk_shared" if mode in ("first_shared", "staggered_first_shared") else "") + (
+            f"_{mode[len('staggered_'):]}" if mode in {f"staggered_{m}" for m in STAGGERED_MODES}
+            else "")
         if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
             name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
@@ -405,11 +416,16 @@ async def main_async(args, res: dict, save) -> None:
         async_on = [e.async_scheduling for e in engines]
         for e in engines:  # read at each launch; no step is queued between rounds
             e.async_scheduling = e.async_scheduling and mode != "sync"
-        first_alone = getattr(stage, "first_alone", None)
+        first_alone, align = getattr(stage, "first_alone", None), getattr(stage, "align", None)
         if stage is not None and mode in ("first_shared", "staggered_first_shared"):
             stage.first_alone = False
+        if stage is not None and str(mode).startswith("staggered_") and \
+                mode[len("staggered_"):] in STAGGERED_MODES:  # code2wav policies for the round
+            overrides = STAGGERED_MODES[mode[len("staggered_"):]]
+            stage.first_alone = overrides.get("first_alone", first_alone)
+            stage.align = overrides.get("align", align)
         try:
-            if mode in ("staggered", "staggered_first_shared"):
+            if staggered:
                 res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
                                                     seed=c, stagger_s=args.stagger_window_s)
             else:
@@ -422,7 +438,7 @@ async def main_async(args, res: dict, save) -> None:
                 e.async_scheduling = on
             if stage is not None:
                 stage.stream_config = window
-                stage.first_alone = first_alone
+                stage.first_alone, stage.align = first_alone, align
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         save(name)
@@ -455,6 +471,10 @@ def main() -> None:
     ap.add_argument("--first-shared", default="",
                     help="concurrencies also run with first audio chunks sharing the GPU with "
                          "the AR stages (OMNISTAGE_FIRST_CHUNK_ALONE=0 for that round)")
+    ap.add_argument("--staggered-modes", default="",
+                    help="staggered rounds at --staggered-c, one per listed code2wav policy "
+                         f"({', '.join(STAGGERED_MODES)}), in this order")
+    ap.add_argument("--staggered-c", type=int, default=32)
     ap.add_argument("--staggered-first-shared", default="",
                     help="staggered rounds with first chunks sharing the GPU")
     ap.add_argument("--c1-repeats", type=int, default=3,

@@ -175,3 +175,59 @@ def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monke
     assert [e.request_id for e in events] == ["b"] and len(events[0].audio) > 0
     launched = stage.launch()
     assert not launched.exclusive and sorted(rid for rid, _ in launched.state[0]) == ["a", "b"]
+
+
+def test_code2wav_later_chunks_wait_to_align(tiny_omni_dir, monkeypatch):
+    """OMNISTAGE_CODE2WAV_ALIGN: a step of later chunks waits for a request whose next chunk
+    is at most ALIGN_BLOCKS blocks away (then both go together), but never for one further off,
+    never past ALIGN_WAIT_S, and never with an utterance's last chunk or a first chunk."""
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_ALIGN", "1")
+    monkeypatch.setenv("OMNISTAGE_FIRST_CHUNK_ALONE", "0")
+    from omnistage.models.qwen2_5_omni import code2wav_stage as c2w
+    llm = OmniLLM(str(tiny_omni_dir))
+    llm.shutdown()
+    stage = llm.pipeline.workers["code2wav"]
+    assert stage.align
+    from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
+    # chunks of 4 blocks after a 1-block first one (read at submit): a next chunk can be
+    # further off than ALIGN_BLOCKS
+    stage.stream_config = Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=4, first_chunk_blocks=1)
+    voice = next(iter(llm.pipeline.voices.values()))
+    repeats, block = stage.model.spec.repeats, stage.model.spec.block_size
+    for rid in ("a", "b"):
+        stage.submit(rid, c2w.Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
+    reqs = stage.requests
+
+    def feed(rid: str, upto_chunk: int, short_frames: int = 0) -> None:
+        # codes until chunk `upto_chunk` is short_frames frames from ready
+        s = reqs[rid].stream
+        n = (s.frames_to_ready(upto_chunk) - short_frames) // repeats
+        stage.add_codes(rid, [5] * n, finished=False)
+
+    def step() -> list[tuple[str, int]]:
+        launched = stage.launch()
+        if launched is None:
+            return []
+        chunks = [(rid, r.next_chunk) for rid, r in launched.state[0]]
+        stage.collect(launched)
+        return chunks
+
+    feed("a", 1)
+    feed("b", 1, short_frames=block)
+    assert step() == [("a", 0), ("b", 0)]  # first chunks: no waiting
+    assert not stage.has_work() and step() == []  # a's chunk 1 waits: b is a block away
+    feed("b", 1)
+    assert sorted(step()) == [("a", 1), ("b", 1)]  # together
+    feed("a", 2)
+    feed("b", 2, short_frames=(c2w.ALIGN_BLOCKS + 1) * block)
+    assert step() == [("a", 2)]  # b is too far: no wait
+    feed("a", 3)
+    feed("b", 2, short_frames=repeats)
+    assert step() == []
+    reqs["a"].ready_since -= c2w.ALIGN_WAIT_S + 0.01  # waited long enough
+    assert step() == [("a", 3)]
+    feed("b", 2)
+    stage.add_codes("a", [5] * 3, finished=True)  # a's last chunk: never waits
+    feed("b", 3, short_frames=repeats)
+    got = step()
+    assert ("a", 4) in got and ("b", 2) in got and "a" not in reqs
