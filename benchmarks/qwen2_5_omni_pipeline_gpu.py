@@ -42,8 +42,7 @@ MARKER = "pipeline_bench_build.json"
 HF_H100 = {"bs1_rtf": 5.285, "bs1_first_audio_s": 108.23, "bs8_audio_s_per_s": 1.641,
            "bs32_audio_s_per_s": 3.273}
 # --staggered-modes: code2wav policies of a staggered round (unset: the stage's own)
-STAGGERED_MODES = {"default": {}, "first_shared": {"first_alone": False},
-                   "no_align": {"align": False}, "plain": {"first_alone": False, "align": False}}
+STAGGERED_MODES = {"default": {}, "first_shared": {"first_alone": False}}
 TARGETS = {"ttfa_s_c1": 0.25, "rtf_c1": 0.10, "audio_s_per_s_c32": 65.0}
 
 
@@ -416,14 +415,13 @@ async def main_async(args, res: dict, save) -> None:
         async_on = [e.async_scheduling for e in engines]
         for e in engines:  # read at each launch; no step is queued between rounds
             e.async_scheduling = e.async_scheduling and mode != "sync"
-        first_alone, align = getattr(stage, "first_alone", None), getattr(stage, "align", None)
+        first_alone = getattr(stage, "first_alone", None)
         if stage is not None and mode in ("first_shared", "staggered_first_shared"):
             stage.first_alone = False
         if stage is not None and str(mode).startswith("staggered_") and \
                 mode[len("staggered_"):] in STAGGERED_MODES:  # code2wav policies for the round
             overrides = STAGGERED_MODES[mode[len("staggered_"):]]
             stage.first_alone = overrides.get("first_alone", first_alone)
-            stage.align = overrides.get("align", align)
         try:
             if staggered:
                 res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
@@ -438,7 +436,7 @@ async def main_async(args, res: dict, save) -> None:
                 e.async_scheduling = on
             if stage is not None:
                 stage.stream_config = window
-                stage.first_alone, stage.align = first_alone, align
+                stage.first_alone = first_alone
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         save(name)

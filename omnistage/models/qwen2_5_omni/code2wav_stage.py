@@ -37,19 +37,6 @@ def first_chunks_alone(device: torch.device) -> bool:
     return env == "1" or (env != "0" and device.type == "cuda")
 
 
-def align_chunks(device: torch.device) -> bool:
-    """OMNISTAGE_CODE2WAV_ALIGN ("1" on, "0" off; unset: on for CUDA): a step of later chunks
-    waits (up to ALIGN_WAIT_S) for requests whose next chunk is at most ALIGN_BLOCKS blocks of
-    codes away. Every request gets one code per talker step, so requests that shared a step
-    stay together: with arrivals spread out, steps grow instead of staying at 2-3 chunks."""
-    env = os.environ.get("OMNISTAGE_CODE2WAV_ALIGN", "")
-    return env == "1" or (env != "0" and device.type == "cuda")
-
-
-ALIGN_BLOCKS = 2  # wait for a next chunk at most this many DiT blocks of codes away
-ALIGN_WAIT_S = 0.25  # and no chunk waits longer than this once it is ready
-
-
 @dataclass
 class Code2WavRequest:
     cond: torch.Tensor  # [enc_emb_dim] speaker vector (fp32, device)
@@ -59,7 +46,6 @@ class Code2WavRequest:
     codes_finished: bool = False
     stream: Qwen2_5OmniCode2WavStream | None = None
     next_chunk: int = 0
-    ready_since: float | None = None  # monotonic time its next chunk was first seen ready
 
 
 class Qwen2_5OmniCode2WavStage:
@@ -82,7 +68,6 @@ class Qwen2_5OmniCode2WavStage:
         # request's time to first audio (later chunks have the audio already out as slack)
         self.gpu_first = StageStream(device, high_priority=True)
         self.first_alone = first_chunks_alone(device)
-        self.align = align_chunks(device)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
                                 "compile": compile}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
@@ -132,37 +117,18 @@ class Qwen2_5OmniCode2WavStage:
         return req.stream.ready_chunks() > req.next_chunk
 
     def has_work(self) -> bool:
-        return bool(self._pick())
-
-    def _pick(self) -> list[tuple[str, Code2WavRequest]]:
-        """The requests of the next step: up to MAX_BATCH ready ones, earliest chunk first (a
-        new request's first audio goes ahead of later chunks of older ones); [] to wait."""
-        now = time.monotonic()
-        ready = []
-        for rid, r in self.requests.items():
-            if self._ready(r):
-                r.ready_since = now if r.ready_since is None else r.ready_since
-                ready.append((rid, r))
-        ready = sorted(ready, key=lambda item: item[1].next_chunk)[:MAX_BATCH]
-        # no wait for a first chunk (time to first audio), a full step, an utterance's last
-        # chunk (its end-to-end time) or a chunk that has waited long enough
-        if not self.align or not ready or len(ready) == MAX_BATCH or ready[0][1].next_chunk == 0 \
-                or any(r.codes_finished or now - r.ready_since > ALIGN_WAIT_S for _, r in ready):
-            return ready
-        near = ALIGN_BLOCKS * self.model.spec.block_size  # in mel frames
-        joining = any(r.next_chunk > 0 and r.stream is not None and not self._ready(r)
-                      and r.stream.frames_to_ready(r.next_chunk) <= near
-                      for r in self.requests.values())
-        return [] if joining else ready
+        return any(self._ready(r) for r in self.requests.values())
 
     def step(self) -> list[StageEvent]:
         launched = self.launch()
         return [] if launched is None else self.collect(launched)
 
     def launch(self) -> LaunchedStep | None:
-        """Queue the next chunk of the requests `_pick` chooses."""
+        """Queue the next chunk of up to MAX_BATCH ready requests, earliest chunk first (a new
+        request's first audio goes ahead of later chunks of older ones)."""
         t0 = time.perf_counter()
-        ready = self._pick()
+        ready = sorted(((rid, r) for rid, r in self.requests.items() if self._ready(r)),
+                       key=lambda item: item[1].next_chunk)[:MAX_BATCH]
         events = []
         for rid, r in ready:
             if r.codes_finished and not r.codes:  # nothing to say: an empty utterance
@@ -209,7 +175,7 @@ class Qwen2_5OmniCode2WavStage:
             wav, off = host[off:off + n].numpy().copy(), off + n
             if self.requests.get(rid) is not r:  # aborted while the chunk ran
                 continue
-            r.next_chunk, r.ready_since = r.next_chunk + 1, None
+            r.next_chunk += 1
             last = r.stream.num_chunks() == r.next_chunk
             if last:
                 del self.requests[rid]

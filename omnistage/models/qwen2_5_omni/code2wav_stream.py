@@ -156,14 +156,6 @@ class Qwen2_5OmniCode2WavStream:
         known = self.num_frames - self.config.future_blocks * self.block - self.first_frames
         return 0 if known < 0 else 1 + known // self.chunk_frames
 
-    def frames_to_ready(self, k: int) -> int:
-        """Mel frames (codes x repeats) still to arrive before chunk k is ready (0: ready;
-        the utterance's end may make it ready sooner)."""
-        if self.finished:
-            return 0
-        known = self.num_frames - self.config.future_blocks * self.block - self.first_frames
-        return max(0, (k * self.chunk_frames if k > 0 else 0) - known)
-
     def span(self, k: int) -> Qwen2_5OmniCode2WavSpan:
         """Frame ranges of chunk k (0 <= k < ready_chunks(), which makes them final)."""
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < self.ready_chunks():

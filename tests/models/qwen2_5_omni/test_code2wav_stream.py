@@ -122,29 +122,6 @@ def test_arrival_independence(model: Qwen2_5OmniToken2Wav, default_chunks: list)
         assert a.shape == b.waveform.shape and (a - b.waveform).abs().max() <= 1e-6
 
 
-def test_frames_to_ready_matches_ready_chunks(model: Qwen2_5OmniToken2Wav) -> None:
-    codes, cond, ref_mel = _request(3, 120)
-    for config in (Qwen2_5OmniCode2WavStreamConfig(),
-                   Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=3, first_chunk_blocks=1)):
-        stream = Qwen2_5OmniCode2WavStream(model, cond, ref_mel, SEED, config)
-        for code in codes:
-            stream.add_codes([code])
-            n = stream.ready_chunks()
-            for k in range(n + 3):
-                missing = stream.frames_to_ready(k)
-                assert (missing == 0) == (k < n), (len(stream.codes), k)
-                assert missing % model.spec.repeats == 0
-            # exactly the missing codes make the next chunk ready
-            probe = Qwen2_5OmniCode2WavStream(model, cond, ref_mel, SEED, config)
-            probe.add_codes(stream.codes + [0] * (stream.frames_to_ready(n)
-                                                  // model.spec.repeats - 1))
-            assert probe.ready_chunks() == n
-            probe.add_codes([0])
-            assert probe.ready_chunks() == n + 1
-        stream.add_codes([], finished=True)
-        assert stream.frames_to_ready(stream.num_chunks() - 1) == 0
-
-
 def test_batched_requests_equal_alone(model: Qwen2_5OmniToken2Wav) -> None:
     streams = []
     for i, (n, finished) in enumerate([(30, True), (70, False), (13, True)]):
