@@ -229,6 +229,8 @@ def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> 
     x, batch = decode_batch(net, cfg, T, dev)
     res: dict = {"weight_MB": round(wbytes / 1e6, 1)}
     outs = {}
+    max_rows = layers.GEMV_MAX_ROWS
+    layers.GEMV_MAX_ROWS = max(max_rows, T)  # measure T rows even where the engine would not
     for name, flag in (("gemv", True), ("torch", False)):
         layers.TRITON_GEMV = flag
         if tiny:  # on the CPU only forced switches reach the Triton paths
@@ -247,6 +249,7 @@ def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> 
                                     .abs().max().item(), 5)
         res["out_abs_max"] = round(outs["torch"].float().abs().max().item(), 3)
         res["speedup"] = round(res["torch_ms"] / res["gemv_ms"], 3)
+    layers.GEMV_MAX_ROWS = max_rows
     return res
 
 
@@ -279,7 +282,7 @@ def sweep_configs(table, spec) -> list:
     """The table's config with one field changed at a time."""
     N, K, norm, _, _ = spec
     rep = dataclasses.replace
-    out = [rep(table, block_n=bn) for bn in (8, 16, 32, 64)
+    out = [rep(table, block_n=bn) for bn in (8, 16, 32, 64, 128)
            if bn != table.block_n and (bn >= 16 or not table.use_dot)]
     out += [rep(table, block_k=bk) for bk in (128, 256, 512, 1024)
             if bk != table.block_k and bk <= max(128, 2 * K)]
@@ -338,6 +341,23 @@ def sweep_section(timer: Timer, dev, tiny: bool, models: list[str], ms: list[int
     return out
 
 
+def apply_sweep(sweep: dict, tiny: bool) -> dict:
+    """Each swept case's fastest config into triton_gemv.CONFIGS (this process only)."""
+    from omnistage.engine.ar import triton_gemv as tg
+    fields = sweep["fields"]
+    applied = {}
+    for key, case in sweep.items():
+        if not isinstance(case, dict) or "best" not in case:
+            continue
+        model, op, m = key.split("/")
+        d, _, heads, kv, ffn = (TINY if tiny else MODELS)[model]
+        n, k = op_specs(d, heads, kv, ffn, TINY_HD if tiny else HD)[op][:2]
+        best = tg.GemvConfig(**dict(zip(fields, case["best"][0])))
+        tg.CONFIGS[(n, k, 1 if m == "M1" else 8)] = best
+        applied[key] = case["best"][0]
+    return applied
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -347,6 +367,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="add the config sweep section")
     ap.add_argument("--models", default="talker,thinker", help="stack and sweep models")
     ap.add_argument("--sweep-ms", default="1,8", help="sweep: rows M")
+    ap.add_argument("--apply-sweep", action="store_true",
+                    help="sections after the sweep run with its winners in triton_gemv.CONFIGS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -376,6 +398,8 @@ def main() -> None:
             elif name == "sweep":
                 result["sweep"] = sweep_section(timer, dev, args.tiny, models,
                                                 [int(m) for m in args.sweep_ms.split(",")])
+                if args.apply_sweep:
+                    result["applied"] = apply_sweep(result["sweep"], args.tiny)
             else:
                 raise ValueError(f"--sections: unknown section {name!r}")
         except Exception as e:  # noqa: BLE001 - recorded, next section runs
