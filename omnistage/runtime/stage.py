@@ -119,8 +119,10 @@ class StageStream:
         return ev
 
     def launched(self, state: Any, start: torch.cuda.Event | None, t0: float,
-                 events: list[StageEvent] | None = None) -> LaunchedStep:
-        return LaunchedStep(state, events or [], start, self.event(), time.perf_counter() - t0)
+                 events: list[StageEvent] | None = None, exclusive: bool = False
+                 ) -> LaunchedStep:
+        return LaunchedStep(state, events or [], start, self.event(), time.perf_counter() - t0,
+                            exclusive)
 
 
 class StageWorker(Protocol):

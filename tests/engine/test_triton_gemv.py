@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from omnistage.engine.ar import triton_gemv as tg  # noqa: E402
-from omnistage.engine.ar.attention import AttentionMetadata  # noqa: E402
 from omnistage.engine.ar.triton_gemv import GemvConfig  # noqa: E402
 from omnistage.models import layers  # noqa: E402
 from omnistage.models.interface import ForwardBatch  # noqa: E402
 from omnistage.models.layers import DecoderForCausalLM  # noqa: E402
+from tests.engine.test_triton_rope_kv import _meta  # noqa: E402  (the same paged layout)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -193,16 +193,6 @@ LM_CFG = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_la
               max_position_embeddings=256, tie_word_embeddings=False, attention_bias=True,
               mlp_bias=True)
 PAGE = 8
-
-
-def _meta(q_lens, seq_lens, tables, slots) -> AttentionMetadata:
-    start = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE), query_start_loc=start.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, max_query_len=max(q_lens),
-        decode_only=all(n == 1 for n in q_lens))
 
 
 def _greedy(model, gemv: bool, monkeypatch, steps: int = 3):

@@ -1,4 +1,4 @@
-"""Decode GEMVs for small batches (M <= 8 rows): the dense parts of a decoder layer in 3 launches.
+"""Decode GEMVs for small batches (up to 16 rows): a decoder layer's dense parts in 4 launches.
 
   norm_gemv          rmsnorm(x) @ W.T + b                  (input norm -> fused q/k/v)
   norm_gemv_silu_mul silu(gate) * up of rmsnorm(x) @ W.T   (post norm -> fused gate/up -> SiLU)

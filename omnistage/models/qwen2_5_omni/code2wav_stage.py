@@ -158,9 +158,7 @@ class Qwen2_5OmniCode2WavStage:
             host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
             host.copy_(wav, non_blocking=True)
             state = (ready, [c.waveform.shape[0] for c in chunks], host)
-            launched = gpu.launched(state, start, t0, events)
-            launched.exclusive = alone
-            return launched
+            return gpu.launched(state, start, t0, events, exclusive=alone)
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
         """The launched step's events (its chunks' audio once the GPU is done)."""
