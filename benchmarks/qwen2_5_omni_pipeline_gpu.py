@@ -306,6 +306,24 @@ def profile_code2wav(res: dict, small: bool, dev: torch.device) -> None:
     res["code2wav_chunk_profile"] = out
 
 
+def same_weights_ratios(runs: dict, hf_jsons: list[str]) -> dict:
+    """Our rounds against `qwen2_5_omni_gpu.py --hf-only` results (transformers on the very same
+    weights; concurrency n = one generate call at batch n): speedups per concurrency in both."""
+    hf: dict = {}
+    for path in hf_jsons:
+        hf.update(json.loads(Path(path).read_text()).get("hf", {}))
+    out = {}
+    for name, h in sorted(hf.items()):
+        ours = runs.get(name)
+        if not isinstance(ours, dict) or "audio_s_per_s" not in h:
+            continue
+        out[name] = {"audio_s_per_s": round(ours["audio_s_per_s"] / h["audio_s_per_s"], 1),
+                     "rtf": round(h["rtf_per_request"] / ours["rtf"]["p50"], 1),
+                     "ttfa": round(h["ttfa_s"] / ours["ttfa"]["p50"], 1),
+                     "hf_audio_s_per_s": h["audio_s_per_s"]}
+    return out
+
+
 def sync_dev(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -490,6 +508,9 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cpu with --small, else cuda")
     ap.add_argument("--watchdog-s", type=float, default=0,
                     help="print every thread's stack after this many seconds (hang hunting)")
+    ap.add_argument("--hf-json", default="",
+                    help="comma-separated qwen2_5_omni_gpu.py --hf-only JSONs (the same weights): "
+                         "adds vs_hf_same_weights")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.watchdog_s:
@@ -520,6 +541,8 @@ def main() -> None:
     if isinstance(c32, dict):
         res.setdefault("vs_hf", {})["audio_s_per_s_c32_speedup"] = round(
             c32["audio_s_per_s"] / HF_H100["bs32_audio_s_per_s"], 1)
+    if args.hf_json:
+        res["vs_hf_same_weights"] = same_weights_ratios(res["runs"], args.hf_json.split(","))
     save()
     print(json.dumps(res, indent=1), flush=True)
 
