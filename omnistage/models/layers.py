@@ -225,12 +225,14 @@ def _triton_gemv_env() -> bool:
     return os.environ.get("OMNISTAGE_TRITON_GEMV", "1") != "0"
 
 
-def _use_triton_gemv(x: torch.Tensor) -> bool:
+def _use_triton_gemv(x: torch.Tensor, layer: DecoderLayer | None = None) -> bool:
     if x.shape[0] > GEMV_MAX_ROWS or not _use_fused_rope_kv(x.device):
         return False
     if TRITON_GEMV is not None:
         return TRITON_GEMV
-    return _triton_ok(x.device) and _triton_gemv_env()
+    # by default only for layers whose shapes have measured configs (others keep cuBLAS:
+    # untuned Triton GEMVs were up to 20% slower than it)
+    return _triton_ok(x.device) and _triton_gemv_env() and (layer is None or layer.gemv_tuned())
 
 
 def compile_layer_kernels() -> None:
@@ -283,12 +285,22 @@ class DecoderLayer(nn.Module):
         self.w_qkv, self.b_qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
         self.w_gate_up, self.b_gate_up = fuse_linears([m.gate_proj, m.up_proj])
 
+    def gemv_tuned(self) -> bool:
+        """Whether triton_gemv's table has measured 1-row configs for this layer's weights."""
+        if getattr(self, "_gemv_tuned", None) is None:
+            from omnistage.engine.ar.triton_gemv import CONFIGS  # triton: lazily
+            shapes = (self.w_qkv.shape, self.self_attn.o_proj.weight.shape,
+                      self.w_gate_up.shape, self.mlp.down_proj.weight.shape)
+            self._gemv_tuned = self.w_qkv.dtype in (torch.bfloat16, torch.float16) and all(
+                (n, k, 1) in CONFIGS for n, k in shapes)
+        return self._gemv_tuned
+
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
         if not hasattr(self, "w_qkv"):
             self.fuse()
         ln = self.input_layernorm
-        gemv = _use_triton_gemv(x)  # decode rows: Triton GEMVs for the dense parts
+        gemv = _use_triton_gemv(x, self)  # decode rows: Triton GEMVs for the dense parts
         if gemv:
             from omnistage.engine.ar import triton_gemv as tg  # triton: lazily
         if _use_fused_rope_kv(x.device):

@@ -277,6 +277,25 @@ def test_switch(monkeypatch):
     assert not layers._use_triton_gemv(x)
 
 
+def test_default_only_for_tuned_shapes(monkeypatch):
+    # by default (TRITON_GEMV None, on CUDA) a layer takes the GEMVs only where the table has
+    # measured configs for its shapes: Qwen2.5-Omni's talker, not the tiny test decoder
+    talker = DecoderForCausalLM(dict(LM_CFG, hidden_size=896, intermediate_size=18944,
+                                     num_hidden_layers=1, num_attention_heads=12,
+                                     num_key_value_heads=4, head_dim=128, mlp_bias=False))
+    tiny = _tiny_model(torch.float32)
+    for model in (talker, tiny):
+        model.to(torch.bfloat16)
+        model.model.layers[0].fuse()
+    assert talker.model.layers[0].gemv_tuned() and not tiny.model.layers[0].gemv_tuned()
+    monkeypatch.setattr(layers, "_triton_ok", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(layers, "TRITON_GEMV", None)
+    monkeypatch.setattr(layers, "FUSED_ROPE_KV", True)
+    x = torch.zeros(1, 896, dtype=torch.bfloat16)
+    assert layers._use_triton_gemv(x, talker.model.layers[0]) == layers._triton_gemv_env()
+    assert not layers._use_triton_gemv(x, tiny.model.layers[0])
+
+
 # --- GPU ---
 
 @pytest.mark.gpu
