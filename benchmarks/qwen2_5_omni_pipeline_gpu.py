@@ -364,7 +364,7 @@ async def main_async(args, res: dict, save) -> None:
         res["process_stages"] = args.process_stages
     # sized for the largest round of any kind (a staggered or serial round included)
     top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot,
-                                       args.first_shared, args.staggered_first_shared)
+                                       args.first_shared)
                       for c in a.split(",") if c]
               + ([args.staggered_c] if args.staggered_modes else []))
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
@@ -397,8 +397,6 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
     rounds += [(int(c), "staggered") for c in args.staggered.split(",") if c]
     rounds += [(int(c), "first_shared") for c in args.first_shared.split(",") if c]
-    rounds += [(int(c), "staggered_first_shared")
-               for c in args.staggered_first_shared.split(",") if c]
     for m in (m for m in args.staggered_modes.split(",") if m):
         if m not in STAGGERED_MODES:
             raise SystemExit(f"--staggered-modes: {m!r} is not one of {sorted(STAGGERED_MODES)}")
@@ -407,13 +405,16 @@ async def main_async(args, res: dict, save) -> None:
     for i, (c, mode) in enumerate(rounds):
         oneshot = mode is True
         staggered = mode == "staggered" or str(mode).startswith("staggered_")
+        policy = str(mode).removeprefix("staggered_") if staggered else None
+        # code2wav's first-chunk policy for the round (None: the stage's own)
+        alone = False if mode == "first_shared" else STAGGERED_MODES.get(policy, {}).get(
+            "first_alone")
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
             "_serial_steps" if mode == "serial" else "") + (
             "_no_async_scheduling" if mode == "sync" else "") + (
             "_staggered" if staggered else "") + (
-            "_first_chunk_shared" if mode in ("first_shared", "staggered_first_shared") else "") + (
-            f"_{mode[len('staggered_'):]}" if mode in {f"staggered_{m}" for m in STAGGERED_MODES}
-            else "")
+            "_first_chunk_shared" if mode == "first_shared" else "") + (
+            f"_{policy}" if policy in STAGGERED_MODES else "")
         if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
             name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
         if i > 0 and time.perf_counter() - t0 > args.deadline_s:
@@ -434,12 +435,8 @@ async def main_async(args, res: dict, save) -> None:
         for e in engines:  # read at each launch; no step is queued between rounds
             e.async_scheduling = e.async_scheduling and mode != "sync"
         first_alone = getattr(stage, "first_alone", None)
-        if stage is not None and mode in ("first_shared", "staggered_first_shared"):
-            stage.first_alone = False
-        if stage is not None and str(mode).startswith("staggered_") and \
-                mode[len("staggered_"):] in STAGGERED_MODES:  # code2wav policies for the round
-            overrides = STAGGERED_MODES[mode[len("staggered_"):]]
-            stage.first_alone = overrides.get("first_alone", first_alone)
+        if stage is not None and alone is not None:  # read at each launch
+            stage.first_alone = alone
         try:
             if staggered:
                 res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
@@ -491,8 +488,6 @@ def main() -> None:
                     help="staggered rounds at --staggered-c, one per listed code2wav policy "
                          f"({', '.join(STAGGERED_MODES)}), in this order")
     ap.add_argument("--staggered-c", type=int, default=32)
-    ap.add_argument("--staggered-first-shared", default="",
-                    help="staggered rounds with first chunks sharing the GPU")
     ap.add_argument("--c1-repeats", type=int, default=3,
                     help="concurrency-1 rounds run this many times (medians reported)")
     ap.add_argument("--profile-code2wav", action="store_true")

@@ -278,6 +278,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._gemv_tuned: bool | None = None  # gemv_tuned(), once the weights are fused
 
     def fuse(self) -> None:
         """After loading and casting: fused q/k/v and gate/up weights (fewer, larger GEMMs)."""
@@ -287,7 +288,7 @@ class DecoderLayer(nn.Module):
 
     def gemv_tuned(self) -> bool:
         """Whether triton_gemv's table has measured 1-row configs for this layer's weights."""
-        if getattr(self, "_gemv_tuned", None) is None:
+        if self._gemv_tuned is None:
             from omnistage.engine.ar.triton_gemv import CONFIGS  # triton: lazily
             shapes = (self.w_qkv.shape, self.self_attn.o_proj.weight.shape,
                       self.w_gate_up.shape, self.mlp.down_proj.weight.shape)
