@@ -8,7 +8,8 @@ ops: per model (talker d=896, thinker d=3584), op (qkv: norm + q/k/v, o: o_proj 
   cycles through copies of the weight so that they do not stay in L2 between calls.
 stack: the talker's 24 layers (and the thinker's 28) with random weights, decode batches of
   T = 1 and 8 rows (paged KV, 512 tokens of context each): forward in a CUDA graph with
-  layers.TRITON_GEMV on vs off (off: the compiled torch kernels + cuBLAS), max abs diff.
+  layers.TRITON_GEMV on vs off (off: the compiled torch kernels + cuBLAS), max abs diff; the
+  Triton path also without programmatic dependent launch (gemv_nopdl, triton_pdl.py).
 sweep (--sweep): alternative GemvConfigs per shape at M = 1 and 8, fastest vs the table's.
 Prints one JSON object; each case records its error and the others still run. Repo root:
     PYTHONPATH=$PWD python benchmarks/gemv_gpu.py --out $OUT/gemv.json [--sweep]
@@ -225,14 +226,19 @@ def decode_batch(net, cfg, T: int, dev, ctx: int = 512, page: int = 16):
 
 
 def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> dict:
+    from omnistage.engine.ar import triton_pdl
     from omnistage.models import layers
     x, batch = decode_batch(net, cfg, T, dev)
+    pdl_saved = triton_pdl.ENABLED
     res: dict = {"weight_MB": round(wbytes / 1e6, 1)}
     outs = {}
     max_rows = layers.GEMV_MAX_ROWS
     layers.GEMV_MAX_ROWS = max(max_rows, T)  # measure T rows even where the engine would not
-    for name, flag in (("gemv", True), ("torch", False)):
+    # gemv_nopdl: the same kernels launched without programmatic dependent launch
+    for name, flag, pdl in (("gemv", True, True), ("gemv_nopdl", True, False),
+                            ("torch", False, True)):
         layers.TRITON_GEMV = flag
+        triton_pdl.ENABLED = pdl
         if tiny:  # on the CPU only forced switches reach the Triton paths
             layers.FUSED_ROPE_KV = True
         if flag:
@@ -249,7 +255,12 @@ def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> 
                                     .abs().max().item(), 5)
         res["out_abs_max"] = round(outs["torch"].float().abs().max().item(), 3)
         res["speedup"] = round(res["torch_ms"] / res["gemv_ms"], 3)
+    if "gemv" in outs and "gemv_nopdl" in outs:
+        res["pdl_max_abs_diff"] = (outs["gemv"].float() - outs["gemv_nopdl"].float()
+                                   ).abs().max().item()
+        res["pdl_speedup"] = round(res["gemv_nopdl_ms"] / res["gemv_ms"], 3)
     layers.GEMV_MAX_ROWS = max_rows
+    triton_pdl.ENABLED = pdl_saved
     return res
 
 

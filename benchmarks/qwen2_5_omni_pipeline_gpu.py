@@ -35,6 +35,7 @@ except ImportError:  # the GPU machine lacks it; nothing here reads audio files
 
 from omnistage.entrypoints.async_llm import AsyncOmniLLM  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
+from omnistage.runtime.stage import StageStream  # noqa: E402
 
 SR = 24000
 ROUND_TIMEOUT_S = float(os.environ.get("OMNISTAGE_BENCH_ROUND_TIMEOUT", "240"))
@@ -364,7 +365,8 @@ async def main_async(args, res: dict, save) -> None:
         res["process_stages"] = args.process_stages
     # sized for the largest round of any kind (a staggered or serial round included)
     top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot,
-                                       args.first_shared)
+                                       args.first_shared, args.ar_streams_shared,
+                                       args.ar_streams_flat)
                       for c in a.split(",") if c]
               + ([args.staggered_c] if args.staggered_modes else []))
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
@@ -397,6 +399,8 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
     rounds += [(int(c), "staggered") for c in args.staggered.split(",") if c]
     rounds += [(int(c), "first_shared") for c in args.first_shared.split(",") if c]
+    rounds += [(int(c), "ar_shared") for c in args.ar_streams_shared.split(",") if c]
+    rounds += [(int(c), "ar_flat") for c in args.ar_streams_flat.split(",") if c]
     for m in (m for m in args.staggered_modes.split(",") if m):
         if m not in STAGGERED_MODES:
             raise SystemExit(f"--staggered-modes: {m!r} is not one of {sorted(STAGGERED_MODES)}")
@@ -414,6 +418,8 @@ async def main_async(args, res: dict, save) -> None:
             "_no_async_scheduling" if mode == "sync" else "") + (
             "_staggered" if staggered else "") + (
             "_first_chunk_shared" if mode == "first_shared" else "") + (
+            "_ar_stream_shared" if mode == "ar_shared" else "") + (
+            "_ar_streams_one_priority" if mode == "ar_flat" else "") + (
             f"_{policy}" if policy in STAGGERED_MODES else "")
         if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
             name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
@@ -437,6 +443,12 @@ async def main_async(args, res: dict, save) -> None:
         first_alone = getattr(stage, "first_alone", None)
         if stage is not None and alone is not None:  # read at each launch
             stage.first_alone = alone
+        ar_workers = [w for w in llm.pipeline.workers.values() if hasattr(w, "engine")]
+        ar_streams = [w.gpu for w in ar_workers]
+        if mode in ("ar_shared", "ar_flat"):  # other AR streams (nothing in flight now)
+            shared = StageStream(ar_workers[0].device, priority=-1)
+            for w in ar_workers:
+                w.gpu = shared if mode == "ar_shared" else StageStream(w.device, priority=-1)
         try:
             if staggered:
                 res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
@@ -452,6 +464,8 @@ async def main_async(args, res: dict, save) -> None:
             if stage is not None:
                 stage.stream_config = window
                 stage.first_alone = first_alone
+            for w, gpu in zip(ar_workers, ar_streams):
+                w.gpu = gpu
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         save(name)
@@ -484,6 +498,12 @@ def main() -> None:
     ap.add_argument("--first-shared", default="",
                     help="concurrencies also run with first audio chunks sharing the GPU with "
                          "the AR stages (OMNISTAGE_FIRST_CHUNK_ALONE=0 for that round)")
+    ap.add_argument("--ar-streams-shared", default="",
+                    help="concurrencies also run with the thinker and talker on one CUDA stream "
+                         "(as OMNISTAGE_AR_STREAM=NAME; by default each has its own)")
+    ap.add_argument("--ar-streams-flat", default="",
+                    help="concurrencies also run with the thinker's and talker's streams at one "
+                         "priority (by default the thinker's is higher)")
     ap.add_argument("--staggered-modes", default="",
                     help="staggered rounds at --staggered-c, one per listed code2wav policy "
                          f"({', '.join(STAGGERED_MODES)}), in this order")

@@ -70,7 +70,8 @@ class LaunchedStep:
 
 class StageStream:
     """The CUDA stream a stage launches its work on (a no-op on the CPU). AR stages take a
-    high priority: their small latency-bound decode kernels go ahead of code2wav's big ones.
+    high priority (priority < 0): their small latency-bound decode kernels go ahead of
+    code2wav's big ones.
 
     NOTE: the orchestrator moves data between stages on the default stream (links), so each
     launch first waits for the default stream's queued work; tensors a launch reads from other
@@ -78,7 +79,7 @@ class StageStream:
 
     _shared: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
-    def __init__(self, device: torch.device, high_priority: bool = False,
+    def __init__(self, device: torch.device, priority: int = 0,
                  share: str | None = None) -> None:
         # share: stages of one share name queue on one stream (in launch order, no contention)
         self.stream = None
@@ -88,7 +89,7 @@ class StageStream:
             key = (device, share or "")
             stream = self._shared.get(key) if share else None
             if stream is None:
-                stream = private_stream(device, high_priority)
+                stream = private_stream(device, priority)
                 if share:
                     self._shared[key] = stream
             self.stream = stream
@@ -144,13 +145,16 @@ class StageWorker(Protocol):
 class ARStageWorker:
     """An AR stage: one AREngine; its requests are engine Sequences."""
 
-    def __init__(self, name: str, engine: AREngine) -> None:
+    def __init__(self, name: str, engine: AREngine, priority: int = -1) -> None:
         self.name, self.engine = name, engine
         self.device = engine.runner.device
-        # AR stages share one high-priority stream: on streams of their own, the thinker's and
-        # talker's decode steps (both bound by memory bandwidth) only slowed each other (H100)
-        self.gpu = StageStream(self.device, high_priority=True,
-                               share=os.environ.get("OMNISTAGE_AR_STREAM", "shared") or None)
+        # NOTE: each AR stage has a stream of its own, so the talker's short decode steps run
+        # beside the thinker's (H100, c1: time to first audio 0.28 -> 0.24 s against one
+        # shared stream); the pipeline gives the upstream stage the higher priority (a lower
+        # number), as its tokens gate the downstream one. OMNISTAGE_AR_STREAM=NAME: the AR
+        # stages share one stream again.
+        self.gpu = StageStream(self.device, priority,
+                               share=os.environ.get("OMNISTAGE_AR_STREAM") or None)
         self.last_batch_size = 0
         self.busy_seconds = 0.0
         self.stalled = False  # the last step scheduled nothing (e.g. gated on upstream rows)

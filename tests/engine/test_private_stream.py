@@ -38,7 +38,7 @@ def test_distinct_while_held(pool):
         torch.cuda.Stream(0)
     held.append(cuda_graphs.private_stream(dev))
     assert len({s.cuda_stream for s in held}) == 4  # the whole pool, no stream twice
-    high = cuda_graphs.private_stream(dev, high_priority=True)
+    high = cuda_graphs.private_stream(dev, priority=-1)
     assert high.cuda_stream[0] == -1  # priorities have pools of their own
     freed = held.pop(1).cuda_stream
     gc.collect()

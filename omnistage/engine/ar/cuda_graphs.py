@@ -39,8 +39,10 @@ from omnistage.models.interface import ForwardBatch
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
 
 
-def private_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
+def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     """A CUDA stream that no other private_stream() caller of this process holds.
+
+    priority: 0 (default) down to -3 (torch's range): lower runs sooner when kernels wait.
 
     NOTE: torch.cuda.Stream() hands out streams round-robin from a pool of 32 per priority, so
     a process that asks for many (one per graph capture, say) gets the same CUDA stream twice.
@@ -54,7 +56,7 @@ def private_stream(device: torch.device, high_priority: bool = False) -> torch.c
     held = _HELD_STREAMS.setdefault(index, set())
     for attempt in range(2):
         for _ in range(64):  # two passes over a pool of 32
-            stream = torch.cuda.Stream(index, priority=-1 if high_priority else 0)
+            stream = torch.cuda.Stream(index, priority=priority)
             if stream.cuda_stream not in held:
                 held.add(stream.cuda_stream)
                 # free for another holder once this one is gone (its graphs went with it)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
+
 _LOG2E = 1.4426950408889634
 _DECODE_BLOCK_N = 64  # key tokens per tile
 _PREFILL_BLOCK_M = 64  # rows per tile = query tokens * padded group
@@ -94,12 +96,13 @@ def _decode_split_kernel(
     num_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    pdl_wait(PDL)  # seq_lens is a step input; q and this token's K/V come from the kernel before
     # Equal slices of this sequence's keys, rounded to whole tiles.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -147,9 +150,11 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_wait(PDL)
     row0 = (b.to(tl.int64) * num_heads + h) * NUM_SPLITS
     s = tl.arange(0, S_PAD)
     smask = s < NUM_SPLITS
@@ -306,6 +311,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out  # unused by the kernel
     d_pad = _pow2(head_dim)
+    pdl = pdl_kwargs(q.device)  # seq_lens must not come from the kernel right before
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
@@ -317,13 +323,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=_pow2(group), HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=num_splits,
         IEEE=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
-        num_warps=4,
+        num_warps=4, **pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_heads,
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), num_warps=1,
+            S_PAD=triton.next_power_of_2(num_splits), num_warps=1, **pdl,
         )
     return out
 

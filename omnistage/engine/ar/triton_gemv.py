@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
     _math = tl  # the interpreter implements tl.exp, not libdevice
@@ -151,16 +153,46 @@ def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, str
 
 
 @triton.jit
+def _w_tile(w_rows, up_rows, kk, K, n_ok, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    # one [BLOCK_N, BLOCK_K] tile of W at columns kk (and of its up half); evict-first: W is
+    # not read again this step
+    w_mask = n_ok[:, None] if EVEN_K else n_ok[:, None] & (kk < K)[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    w_up = w
+    if SILU_MUL:
+        w_up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0,
+                       eviction_policy="evict_first")
+    return w, w_up
+
+
+@triton.jit
+def _tile_mac(acc, acc_up, w, w_up, x_rows, ln_ptr, rstd, kk, K, m_ok,
+              HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+              USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    # acc (and acc_up) += x[:, kk] (normed) @ the W tile(s).T
+    x_mask = m_ok[:, None] if EVEN_K else m_ok[:, None] & (kk < K)[None, :]
+    xk = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0, eviction_policy="evict_last")
+    if HAS_NORM:  # (x * rstd).to(dtype), then * ln_w rounded to the dtype
+        ty = x_rows.dtype.element_ty
+        lw = tl.load(ln_ptr + kk, mask=kk < K, other=0.0, eviction_policy="evict_last")
+        xn = (xk.to(tl.float32) * rstd[:, None]).to(ty).to(tl.float32)
+        xk = (xn * lw.to(tl.float32)[None, :]).to(ty)
+    acc = _mac(acc, xk, w, USE_DOT, DOT_F32)
+    if SILU_MUL:
+        acc_up = _mac(acc_up, xk, w_up, USE_DOT, DOT_F32)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr,
     M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_rm, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # grid (cdiv(N, BLOCK_N), splits); N = output columns (F for gate/up: up rows start at F)
-    ty = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, M_PAD)
@@ -171,7 +203,13 @@ def _gemv_kernel(
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # [M_PAD, 1]
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     up_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn  # gate/up: the up half
+    k_lo = pid_k * K_SPLIT  # < K: every split has at least one tile
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    # the first W tile does not depend on the previous kernel: loaded before waiting for it
+    w, w_up = _w_tile(w_rows, up_rows, k_lo + rk, K, n_ok, EVEN_K, SILU_MUL)
+    pdl_wait(PDL)
 
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
     if HAS_NORM:  # this row's sum of squares over all of K (x is small and L2-resident)
         ss = tl.zeros([M_PAD], dtype=tl.float32)
         for k0 in range(0, K, NORM_K):
@@ -183,27 +221,12 @@ def _gemv_kernel(
 
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_SPLIT
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            x_mask = m_ok[:, None]
-            w_mask = n_ok[:, None]
-        else:
-            k_ok = kk < K
-            x_mask = m_ok[:, None] & k_ok[None, :]
-            w_mask = n_ok[:, None] & k_ok[None, :]
-        xk = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0, eviction_policy="evict_last")
-        if HAS_NORM:  # (x * rstd).to(dtype), then * ln_w rounded to the dtype
-            lw = tl.load(ln_ptr + kk, mask=kk < K, other=0.0, eviction_policy="evict_last")
-            xn = (xk.to(tl.float32) * rstd[:, None]).to(ty).to(tl.float32)
-            xk = (xn * lw.to(tl.float32)[None, :]).to(ty)
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc = _mac(acc, xk, w, USE_DOT, DOT_F32)
-        if SILU_MUL:
-            w_up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0,
-                           eviction_policy="evict_first")
-            acc_up = _mac(acc_up, xk, w_up, USE_DOT, DOT_F32)
+    acc, acc_up = _tile_mac(acc, acc_up, w, w_up, x_rows, ln_ptr, rstd, k_lo + rk, K, m_ok,
+                            HAS_NORM, SILU_MUL, EVEN_K, USE_DOT, DOT_F32)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w, w_up = _w_tile(w_rows, up_rows, k0 + rk, K, n_ok, EVEN_K, SILU_MUL)
+        acc, acc_up = _tile_mac(acc, acc_up, w, w_up, x_rows, ln_ptr, rstd, k0 + rk, K, m_ok,
+                                HAS_NORM, SILU_MUL, EVEN_K, USE_DOT, DOT_F32)
 
     if SPLIT:  # fp32 partials [splits, M, N (x2 for gate/up)], summed by _reduce_kernel
         width = 2 * N if SILU_MUL else N
@@ -222,8 +245,10 @@ def _reduce_kernel(
     part_ptr, b_ptr, res_ptr, out_ptr, M, N, S, stride_rm, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # grid (cdiv(N, BLOCK_N),): sums the S partials in order, then the epilogue
+    pdl_wait(PDL)
     rm = tl.arange(0, M_PAD)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -278,7 +303,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
         if splits > 1 else out
     dummy = out  # stands in for absent pointers (never read: constexpr-guarded)
     res = residual if residual is not None else dummy
-    flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None)
+    flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None,
+                 **pdl_kwargs(x.device))
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
         x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, part,
         M, N, K, k_split, float(eps), x.stride(0), w.stride(0), res.stride(0), out.stride(0),

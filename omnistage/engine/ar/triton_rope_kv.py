@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
+
 _TILE_ELEMS = 1024  # elements (heads x head_dim) one program rotates
 
 
@@ -26,7 +28,7 @@ def _rope_write_kv_kernel(
     stride_qkv_t, stride_cos_t, stride_sin_t,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] rope-head index
@@ -42,6 +44,8 @@ def _rope_write_kv_kernel(
     c2 = tl.load(cos_ptr + t * stride_cos_t + HALF + d, mask=dmask, other=0.0)[None, :]
     s1 = tl.load(sin_ptr + t * stride_sin_t + d, mask=dmask, other=0.0)[None, :]
     s2 = tl.load(sin_ptr + t * stride_sin_t + HALF + d, mask=dmask, other=0.0)[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_wait(PDL)  # cos, sin and slots are step inputs; qkv comes from the kernel before
 
     src = qkv_ptr + t * stride_qkv_t + j[:, None] * HD + d[None, :]  # [BLOCK_H, HALF_PAD]
     x1 = tl.load(src, mask=rows, other=0.0)
@@ -61,7 +65,6 @@ def _rope_write_kv_kernel(
     tl.store(q_dst + HALF, o2.to(q_ty), mask=qmask)
 
     # k (roped) and v (raw) into the paged caches at this token's slot
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // PAGE
     off = slot % PAGE
     kvh = tl.where(is_k, j - H, 0)
@@ -87,7 +90,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
     qkv: [T, (H + 2*Hkv) * hd] (q heads, then k, then v); cos/sin: [T, hd] fp32;
     caches: [num_blocks, block_size, Hkv, hd]; slot_mapping: [T] long (block*block_size + offset,
-    negative = skip). Returns q roped, [T, H, hd] in qkv's dtype.
+    negative = skip). Returns q roped, [T, H, hd] in qkv's dtype. With PDL (triton_pdl.py),
+    cos, sin and slot_mapping are read before waiting: they must not come from the kernel
+    launched right before this one (qkv may).
     """
     T = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -123,5 +128,5 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, HKV=num_kv_heads, HD=head_dim, HALF_PAD=half_pad, BLOCK_H=block_h,
-        PAGE=k_cache.shape[1], num_warps=4, enable_fp_fusion=False)
+        PAGE=k_cache.shape[1], num_warps=4, enable_fp_fusion=False, **pdl_kwargs(qkv.device))
     return q

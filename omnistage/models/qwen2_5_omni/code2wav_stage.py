@@ -66,7 +66,7 @@ class Qwen2_5OmniCode2WavStage:
         self.gpu = StageStream(device)
         # a step with a request's first chunk runs ahead of the AR stages: it is that
         # request's time to first audio (later chunks have the audio already out as slack)
-        self.gpu_first = StageStream(device, high_priority=True)
+        self.gpu_first = StageStream(device, priority=-1)
         self.first_alone = first_chunks_alone(device)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
                                 "compile": compile}

@@ -181,7 +181,8 @@ class Qwen2_5OmniPipeline:
         cfg = stage_engine_config(max_len, engine_opts, stage.engine)
         engine = AREngine(model, cfg, device, dtype, tokenizer, eos)
         engine.runner.warmup_graphs([stage.default_sampling.apply(params)], rows_width)
-        return ARStageWorker(name, engine)
+        # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
+        return ARStageWorker(name, engine, priority=-2 if rows_width is None else -1)
 
     @staticmethod
     def _placement(stage: StageConfig, device, dtype) -> tuple[torch.device, torch.dtype]:

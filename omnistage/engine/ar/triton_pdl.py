@@ -1,0 +1,50 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
+
+A decode layer at batch 1 is a chain of ~9 short kernels; each one otherwise starts only after
+the one before it has drained, and ramps up on an idle GPU. Launched with PDL, a kernel's
+programs become resident while the kernel before it finishes: they load what no kernel of the
+step writes (weights) and then wait (`griddepcontrol.wait`) for the previous kernel's results.
+
+NOTE (ordering): every PDL kernel calls `pdl_wait` unconditionally, before its first read of
+anything a kernel of this step writes and before its first store. Only after that wait does it
+let the next kernel launch (`launch_dependents`), so a kernel's pre-wait loads can overlap only
+with the kernel right before it: everything earlier is complete by then. Loads before the wait
+are therefore limited to weights and other tensors written before the step began, or two or
+more kernels earlier.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# OMNISTAGE_PDL=0 turns it off (read once; tests and benchmarks may set ENABLED)
+ENABLED = os.environ.get("OMNISTAGE_PDL", "1") != "0"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_kwargs(device: torch.device) -> dict[str, Any]:
+    """Extra launch arguments of a PDL-aware kernel: {} (plain launch) or PDL on."""
+    if not ENABLED or _INTERPRET or device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _hopper(index) else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel's results, then let the next kernel launch (PDL only)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
