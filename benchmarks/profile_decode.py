@@ -7,7 +7,8 @@ OMNISTAGE_DEVICE_SAMPLER=0). Per case: step_ms (whole engine step, wall clock, w
 scheduling: each step launched before the previous one's tokens are read), step_ms_sync (the
 same without async scheduling), run_ms (CUDA events around the graph runner, synchronized:
 input fill + replays), replay_ms (the step's graphs replayed back to back, GPU only), and
-whether the first tokens equal the legacy path's.
+whether the first tokens equal the legacy path's. --prefill: a batch-1 prefill of the 60-token
+prompt per model (wall ms, GPU kernel ms, host profile on stderr).
 Prints one JSON object; a failing case records its error and the others still run.
 
     python benchmarks/profile_decode.py [--steps 100] [--profile] [--tiny]
@@ -51,6 +52,7 @@ WARM = 4  # tokens per sequence before timing (prefill, graph captures)
 RUN_STEPS = 20  # steps with the synchronized timer around each graph run
 MODES = ("legacy", "device")  # --device-only: the device-state sampler alone
 KERNEL_PROFILE = False  # --kernels: kernel times inside the step's graphs
+PREFILL = False  # --prefill: also a batch-1 prefill of the prompt per model
 
 
 def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
@@ -144,7 +146,49 @@ def kernel_profile(fwd, head, reps: int = 10) -> dict:
             "top": [(name[:70], round(n / reps, 1), round(us / reps, 1)) for name, (n, us) in top]}
 
 
+def prefill_case(engine: AREngine, make, dev, reps: int = 5) -> dict:
+    """A batch-1 prefill of the 60-token prompt (one engine step, first token sampled): wall
+    ms, GPU kernel time inside it and the top host functions (profiler), medians over reps."""
+    from torch.profiler import ProfilerActivity, profile
+    walls, busy, count = [], [], []
+    for i in range(reps + 1):  # the first one warms up
+        seqs = make(1, f"prefill{i}")
+        for s in seqs:
+            engine.add_request(s)
+        sync(dev)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(dev)
+        walls.append(1e3 * (time.perf_counter() - t0))
+        for s in seqs:
+            engine.abort(s.request_id)
+    seqs = make(1, "prefill_prof")
+    for s in seqs:
+        engine.add_request(s)
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        engine.step()
+        sync(dev)
+    for s in seqs:
+        engine.abort(s.request_id)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy.append(sum(e.time_range.elapsed_us() for e in kernels) / 1e3)
+    count.append(len(kernels))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    print(table[-4000:], file=sys.stderr)
+    walls = sorted(walls[1:])
+    return {"wall_ms": round(walls[len(walls) // 2], 2), "wall_ms_min": round(walls[0], 2),
+            "gpu_kernel_ms": round(busy[0], 2), "kernels": count[0]}
+
+
 def section(res: dict, name: str, engine: AREngine, make, batches, steps: int, dev) -> None:
+    if PREFILL:
+        try:
+            res[f"{name}_prefill_b1"] = prefill_case(engine, make, dev)
+        except Exception as e:  # noqa: BLE001 - the decode cases still run
+            res[f"{name}_prefill_b1"] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc(file=sys.stderr)
     for B in batches:
         for mode in MODES:
             key = f"{name}_b{B}_{mode}"
@@ -208,11 +252,13 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="kernel times inside the step's graphs (profiler), per case")
     ap.add_argument("--only", choices=("thinker", "talker"), default=None)
+    ap.add_argument("--prefill", action="store_true",
+                    help="also time a batch-1 prefill of the 60-token prompt (and profile it)")
     ap.add_argument("--device-only", action="store_true",
                     help="skip the legacy host-built sampler cases")
     args = ap.parse_args()
-    global KERNEL_PROFILE, MODES
-    KERNEL_PROFILE = args.kernels
+    global KERNEL_PROFILE, MODES, PREFILL
+    KERNEL_PROFILE, PREFILL = args.kernels, args.prefill
     if args.device_only:
         MODES = ("device",)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

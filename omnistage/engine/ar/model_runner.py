@@ -14,6 +14,7 @@ import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
+from omnistage.engine.ar.prefill_graphs import PrefillGraphs
 from omnistage.engine.ar.sampler import (SamplerState, SamplingFlags, SamplingTensors,
                                          StepSampling, sample)
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
@@ -78,6 +79,8 @@ class ModelRunner:
             block_size=config.block_size, dummy_block=self.num_blocks,
             uses_mrope=self.uses_mrope, device=device, dtype=dtype,
             sampler=self.sampler) if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self.graphs) if use_graphs and os.environ.get(
+            "OMNISTAGE_PREFILL_GRAPHS", "1") != "0" else None
 
     def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
                       ) -> None:
@@ -96,6 +99,8 @@ class ModelRunner:
                                             banned))
         with torch.inference_mode():
             self.graphs.warmup(additive_width, sorted(flag_sets, key=str))
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.warmup()
 
     def _sampler_state(self, vocab: int) -> SamplerState:
         if self.sampler is None:
@@ -203,6 +208,9 @@ class ModelRunner:
         if (self.graphs is not None and not pending
                 and self.graphs.can_run(batch.seqs, batch.num_tokens)):
             return self._launch_graph(batch)
+        if (self.prefill_graphs is not None and not pending
+                and self.prefill_graphs.can_run(batch.seqs, batch.num_tokens)):
+            return LaunchedBatch(batch, result=self._execute_prefill_graph(batch))
         return LaunchedBatch(batch, result=self._execute_eager(batch))
 
     @torch.inference_mode()
@@ -227,11 +235,26 @@ class ModelRunner:
 
     def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
         fb, sample_rows = self.prepare(batch)
-        hidden = self.model(fb)
+        return self._after_forward(batch, self.model(fb), sample_rows, copy=False)
+
+    def _execute_prefill_graph(self, batch: ScheduledBatch) -> StepResult:
+        # one sequence, 2..max_tokens positions: the forward replayed from a padded graph
+        seq, n = batch.seqs[0], batch.num_tokens[0]
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        positions = _mrope_slice(seq, start, end) if self.uses_mrope else torch.arange(start, end)
+        embeds, add = _input_rows(seq, start, end)
+        hidden = self.prefill_graphs.run(seq, start, n, positions, embeds, add)
+        # the graph's output buffer is overwritten by the next replay: exported rows are cloned
+        return self._after_forward(batch, hidden, [n - 1] if end == seq.num_tokens else [],
+                                   copy=True)
+
+    def _after_forward(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                       sample_rows: list[int], copy: bool) -> StepResult:
+        """Exported rows and sampled tokens of a forward run to completion."""
         self.num_forwards += 1
         samplers = [s for s, n in zip(batch.seqs, batch.num_tokens)
                     if s.num_computed_tokens + n == s.num_tokens]
-        result = StepResult({}, self._hidden_rows(batch, hidden, copy=False))
+        result = StepResult({}, self._hidden_rows(batch, hidden, copy=copy))
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])
             tokens = self._sample_eager(samplers, logits)

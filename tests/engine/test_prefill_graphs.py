@@ -1,0 +1,115 @@
+"""Prefill graphs (engine/ar/prefill_graphs.py): a one-sequence prefill run through a padded
+bucket gives the eager forward's tokens and exported rows, for a plain LM (1-D rope, prefix-cache
+hits: prefills that start past 0) and a talker-like model (mrope, replacement + additive rows).
+On the CPU this is the OMNISTAGE_CUDA_GRAPHS=eager mode (the same static buffers, no capture);
+the GPU test captures the graphs and compares with the CPU."""
+
+import pytest
+import torch
+
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.ar.prefill_graphs import PrefillGraphs
+from omnistage.engine.ar.scheduler import EngineConfig
+from omnistage.engine.ar.sequence import Sequence
+from omnistage.sampling_params import SamplingParams
+from omnistage.testing.input_rows import RandomInputRows
+from tests.engine.test_cuda_graphs import _models
+
+# 3 .. 40 tokens: buckets 16, 32, 64; 300 tokens: past the largest bucket (eager); the last
+# two share a 24-token prefix (3 blocks of 8), so the second prefill starts at position 24
+g = torch.Generator().manual_seed(5)
+PROMPTS = [torch.randint(0, 280, (n,), generator=g).tolist() for n in (3, 17, 40, 300, 30)]
+PROMPTS.append(PROMPTS[-1][:24] + torch.randint(0, 280, (9,), generator=g).tolist())
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1,
+                         max_tokens=6, ignore_eos=True)
+
+
+def _run(model, device, params, talker: bool, prefill_graphs: bool):
+    """Each prompt alone (so every prefill is a one-sequence step) -> tokens, exported rows."""
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=4, block_size=8,
+                       max_num_batched_tokens=512)
+    eng = AREngine(model, cfg, device, torch.float32)
+    if prefill_graphs:
+        assert eng.runner.prefill_graphs is not None
+    else:
+        eng.runner.prefill_graphs = None
+    tokens, rows = [], []
+    for i, p in enumerate(PROMPTS):
+        kw = {}
+        if talker:
+            width = model.model.embed_tokens.weight.shape[1]
+            kw = dict(mrope_positions=torch.arange(len(p)).expand(3, -1) * torch.tensor(
+                [[1], [2], [3]]), rope_delta=5,
+                input_source=RandomInputRows(len(p), width, i, device))
+        seq = Sequence(f"r{i}", p, params, seed=1000 + i, **kw)
+        seq.export_hidden = True
+        eng.add_request(seq)
+        out, hid = [], []
+        while eng.has_unfinished():
+            for u in eng.step():
+                out.extend(u.new_token_ids)
+                if u.hidden is not None:
+                    hid.append(u.hidden[1].float().cpu())
+        tokens.append(out)
+        rows.append(torch.cat(hid))
+    return tokens, rows, eng
+
+
+@pytest.mark.parametrize("talker", [False, True])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_prefill_graphs_match_eager(monkeypatch, talker, params):
+    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
+    model, _ = _models(talker) if torch.cuda.is_available() else (_cpu_model(talker), None)
+    ref, ref_rows, _ = _run(model, torch.device("cpu"), params, talker, prefill_graphs=False)
+    got, rows, eng = _run(model, torch.device("cpu"), params, talker, prefill_graphs=True)
+    pg = eng.runner.prefill_graphs
+    # every prompt but the 300-token one; the prefix-cache hit's prefill is 9 positions
+    assert pg.num_runs == len(PROMPTS) - 1
+    assert {k[0] for k in pg.graphs} == {16, 32, 64}
+    if talker:
+        assert all(has_e and has_a is False for _, has_e, has_a in pg.graphs)
+    assert got == ref
+    assert len({t for seq in ref for t in seq}) > 5  # non-trivial output
+    for r, h in zip(ref_rows, rows):
+        assert r.shape == h.shape and r.abs().max() > 0.1
+        torch.testing.assert_close(h, r, rtol=1e-4, atol=1e-4)
+
+
+def _cpu_model(talker: bool):
+    from omnistage.models.layers import DecoderForCausalLM
+    from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
+    from omnistage.testing.tiny_lm import scale_weights_
+    from tests.engine.test_cuda_graphs import LM_CFG, TALKER_CFG
+    torch.manual_seed(0)
+    m = Qwen2_5OmniTalkerForCausalLM(TALKER_CFG) if talker else DecoderForCausalLM(LM_CFG)
+    scale_weights_(m, 0.2)
+    return m.eval()
+
+
+def test_buckets_and_bad_sizes(monkeypatch):
+    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
+    model = _cpu_model(False)
+    eng = AREngine(model, EngineConfig(max_model_len=128, max_num_seqs=2, block_size=8),
+                   torch.device("cpu"), torch.float32)
+    pg = eng.runner.prefill_graphs
+    assert [pg.bucket(n) for n in (2, 16, 17, 64, 256, 257)] == [16, 16, 32, 64, 256, None]
+    seq = Sequence("a", list(range(20)), GREEDY, seed=0)
+    assert pg.can_run([seq], [20]) and not pg.can_run([seq], [1])
+    assert not pg.can_run([seq, seq], [20, 20]) and not pg.can_run([seq], [300])
+    with pytest.raises(ValueError, match="num_tokens"):
+        pg.run(seq, 0, 300, torch.arange(300), None, None)
+    with pytest.raises(ValueError, match="max_tokens"):
+        PrefillGraphs(eng.runner.graphs, max_tokens=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("talker", [False, True])
+def test_prefill_graphs_gpu_match_cpu(talker):
+    cpu_model, gpu_model = _models(talker)
+    ref, ref_rows, _ = _run(cpu_model, torch.device("cpu"), GREEDY, talker, False)
+    got, rows, eng = _run(gpu_model, torch.device("cuda"), GREEDY, talker, True)
+    assert eng.runner.prefill_graphs.num_runs == len(PROMPTS) - 1
+    assert got == ref
+    for r, h in zip(ref_rows, rows):
+        torch.testing.assert_close(h, r, rtol=1e-4, atol=1e-4)
