@@ -366,7 +366,7 @@ async def main_async(args, res: dict, save) -> None:
     # sized for the largest round of any kind (a staggered or serial round included)
     top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot,
                                        args.first_shared, args.ar_streams_shared,
-                                       args.ar_streams_flat)
+                                       args.ar_streams_flat, args.eager_prefill)
                       for c in a.split(",") if c]
               + ([args.staggered_c] if args.staggered_modes else []))
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
@@ -401,6 +401,7 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), "first_shared") for c in args.first_shared.split(",") if c]
     rounds += [(int(c), "ar_shared") for c in args.ar_streams_shared.split(",") if c]
     rounds += [(int(c), "ar_flat") for c in args.ar_streams_flat.split(",") if c]
+    rounds += [(int(c), "eager_prefill") for c in args.eager_prefill.split(",") if c]
     for m in (m for m in args.staggered_modes.split(",") if m):
         if m not in STAGGERED_MODES:
             raise SystemExit(f"--staggered-modes: {m!r} is not one of {sorted(STAGGERED_MODES)}")
@@ -420,6 +421,7 @@ async def main_async(args, res: dict, save) -> None:
             "_first_chunk_shared" if mode == "first_shared" else "") + (
             "_ar_stream_shared" if mode == "ar_shared" else "") + (
             "_ar_streams_one_priority" if mode == "ar_flat" else "") + (
+            "_eager_prefill" if mode == "eager_prefill" else "") + (
             f"_{policy}" if policy in STAGGERED_MODES else "")
         if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
             name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
@@ -445,6 +447,11 @@ async def main_async(args, res: dict, save) -> None:
             stage.first_alone = alone
         ar_workers = [w for w in llm.pipeline.workers.values() if hasattr(w, "engine")]
         ar_streams = [w.gpu for w in ar_workers]
+        prefill_graphs = [w.engine.runner.prefill_graphs for w in ar_workers]
+        pg_runs = [pg.num_runs if pg is not None else 0 for pg in prefill_graphs]
+        if mode == "eager_prefill":  # read at each launch
+            for w in ar_workers:
+                w.engine.runner.prefill_graphs = None
         if mode in ("ar_shared", "ar_flat"):  # other AR streams (nothing in flight now)
             shared = StageStream(ar_workers[0].device, priority=-1)
             for w in ar_workers:
@@ -464,8 +471,12 @@ async def main_async(args, res: dict, save) -> None:
             if stage is not None:
                 stage.stream_config = window
                 stage.first_alone = first_alone
-            for w, gpu in zip(ar_workers, ar_streams):
-                w.gpu = gpu
+            for w, gpu, pg in zip(ar_workers, ar_streams, prefill_graphs):
+                w.gpu, w.engine.runner.prefill_graphs = gpu, pg
+        if isinstance(res["runs"].get(name), dict):  # one-sequence prefills run as graphs
+            res["runs"][name]["prefill_graph_runs"] = {
+                w.name: (pg.num_runs if pg is not None else 0) - n0
+                for w, pg, n0 in zip(ar_workers, prefill_graphs, pg_runs)}
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         save(name)
@@ -504,6 +515,9 @@ def main() -> None:
     ap.add_argument("--ar-streams-flat", default="",
                     help="concurrencies also run with the thinker's and talker's streams at one "
                          "priority (by default the thinker's is higher)")
+    ap.add_argument("--eager-prefill", default="",
+                    help="concurrencies also run with the AR stages' prefills eager (no prefill "
+                         "CUDA graphs, as OMNISTAGE_PREFILL_GRAPHS=0)")
     ap.add_argument("--staggered-modes", default="",
                     help="staggered rounds at --staggered-c, one per listed code2wav policy "
                          f"({', '.join(STAGGERED_MODES)}), in this order")

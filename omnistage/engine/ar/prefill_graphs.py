@@ -65,8 +65,8 @@ class PrefillGraphs:
         longs, ints = self.longs_host, self.ints_host
         longs[:T].zero_()
         longs[:n] = torch.tensor([seq.token_id(i) for i in range(start, start + n)])
-        pos = longs[Tm:4 * Tm].view(3, Tm)
-        pos[:, :T].zero_()
+        pos = longs[Tm:Tm + 3 * T].view(3, T)  # contiguous, as the eager path's [3, T]
+        pos.zero_()
         pos[:, :n] = positions  # [3, n] (mrope) or [n], broadcast over the three rows
         table = seq.block_table
         slots = torch.arange(start, start + n)
@@ -110,7 +110,9 @@ class PrefillGraphs:
             seq_lens=ints[2:3], block_tables=ints[3:3 + MB].view(1, MB),
             query_lens_cpu=[T], seq_lens_cpu=[self.kv_len_host], max_query_len=T,
             decode_only=False)
-        pos = longs[Tm:4 * Tm].view(3, Tm)[:, :T]
+        # NOTE: every input is a contiguous tensor, as on the eager path: a strided view here
+        # would give the compiled layer kernels a second specialization (and slower guards)
+        pos = longs[Tm:Tm + 3 * T].view(3, T)
         fb = ForwardBatch(input_ids=longs[:T], positions=pos if self.decode.uses_mrope
                           else pos[0], attn=meta)
         if has_e:
