@@ -9,7 +9,8 @@ ops: per model (talker d=896, thinker d=3584), op (qkv: norm + q/k/v, o: o_proj 
 stack: the talker's 24 layers (and the thinker's 28) with random weights, decode batches of
   T = 1 and 8 rows (paged KV, 512 tokens of context each): forward in a CUDA graph with
   layers.TRITON_GEMV on vs off (off: the compiled torch kernels + cuBLAS), max abs diff; the
-  Triton path also without programmatic dependent launch (gemv_nopdl, triton_pdl.py).
+  Triton path also without programmatic dependent launch (gemv_nopdl, triton_pdl.py) and with
+  split-K partials summed by a second launch (gemv_reduce_launch).
 sweep (--sweep): alternative GemvConfigs per shape at M = 1 and 8, fastest vs the table's.
 Prints one JSON object; each case records its error and the others still run. Repo root:
     PYTHONPATH=$PWD python benchmarks/gemv_gpu.py --out $OUT/gemv.json [--sweep]
@@ -234,11 +235,15 @@ def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> 
     outs = {}
     max_rows = layers.GEMV_MAX_ROWS
     layers.GEMV_MAX_ROWS = max(max_rows, T)  # measure T rows even where the engine would not
-    # gemv_nopdl: the same kernels launched without programmatic dependent launch
-    for name, flag, pdl in (("gemv", True, True), ("gemv_nopdl", True, False),
-                            ("torch", False, True)):
+    # gemv_nopdl: the same kernels launched without programmatic dependent launch;
+    # gemv_reduce_launch: split-K partials summed by a second launch
+    from omnistage.engine.ar import triton_gemv
+    fused_saved = triton_gemv.FUSED_REDUCE
+    for name, flag, pdl, fused in (("gemv", True, True, True), ("gemv_nopdl", True, False, True),
+                                   ("gemv_reduce_launch", True, True, False),
+                                   ("torch", False, True, True)):
         layers.TRITON_GEMV = flag
-        triton_pdl.ENABLED = pdl
+        triton_pdl.ENABLED, triton_gemv.FUSED_REDUCE = pdl, fused
         if tiny:  # on the CPU only forced switches reach the Triton paths
             layers.FUSED_ROPE_KV = True
         if flag:
@@ -259,8 +264,12 @@ def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> 
         res["pdl_max_abs_diff"] = (outs["gemv"].float() - outs["gemv_nopdl"].float()
                                    ).abs().max().item()
         res["pdl_speedup"] = round(res["gemv_nopdl_ms"] / res["gemv_ms"], 3)
+    if "gemv" in outs and "gemv_reduce_launch" in outs:
+        res["fused_reduce_max_abs_diff"] = (outs["gemv"].float() - outs["gemv_reduce_launch"]
+                                            .float()).abs().max().item()
+        res["fused_reduce_speedup"] = round(res["gemv_reduce_launch_ms"] / res["gemv_ms"], 3)
     layers.GEMV_MAX_ROWS = max_rows
-    triton_pdl.ENABLED = pdl_saved
+    triton_pdl.ENABLED, triton_gemv.FUSED_REDUCE = pdl_saved, fused_saved
     return res
 
 

@@ -212,10 +212,10 @@ def _use_fused_rope_kv(device: torch.device) -> bool:
 
 # Decode steps of <= GEMV_MAX_ROWS rows: the dense parts of a layer in 4 Triton GEMV launches
 # (triton_gemv.py: norm + q/k/v; o_proj + residual; post norm + gate/up + SiLU; down +
-# residual; a split K adds a reduce) instead of compiled norms around cuBLAS GEMMs. On CUDA
-# with the fused rope + KV write unless OMNISTAGE_TRITON_GEMV=0; tests set TRITON_GEMV to force
-# it on (interpreter on CPU; it still needs the fused rope path) or off. One row only: at 2-8
-# rows no Triton config reached cuBLAS on the H100 (talker gate/up 36.5 vs 27 us at M = 8).
+# residual; a split K sums in the same launch) instead of compiled norms around cuBLAS GEMMs.
+# On CUDA with the fused rope + KV write unless OMNISTAGE_TRITON_GEMV=0; tests set TRITON_GEMV
+# to force it on (interpreter on CPU; it still needs the fused rope path) or off. One row only:
+# at 2-8 rows no Triton config reached cuBLAS on the H100 (talker gate/up 36.5 vs 27 us at M = 8).
 TRITON_GEMV: bool | None = None  # None: on CUDA unless env off
 GEMV_MAX_ROWS = 1
 

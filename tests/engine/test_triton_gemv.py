@@ -139,6 +139,21 @@ def test_ops_vs_torch(case, M, dtype):
         assert (diff > 0).float().mean() < 0.02, f"{name}: {(diff > 0).float().mean():.3f}"
 
 
+@pytest.mark.parametrize("case", ["fma-split3", "dot-split2"])
+def test_fused_split_reduce_equals_reduce_launch(monkeypatch, case):
+    """Split K: the last split of each N tile sums the partials (arrival counters) with the
+    same result, bit for bit, as the separate reduce launch; the counters end at zero."""
+    N, K, config = CASES[case]
+    x, ln_w, w, b, r = make_inputs(3, N, K, torch.bfloat16, bias=True, seed=7)
+    fused = [out for _, out, *_ in _ops(x, ln_w, w, b, r, config)]
+    counts = [c for key, c in tg._COUNTS.items() if key[1] == w.data_ptr()]
+    assert counts and all(int(c.abs().sum()) == 0 for c in counts)
+    monkeypatch.setattr(tg, "FUSED_REDUCE", False)
+    launched = [out for _, out, *_ in _ops(x, ln_w, w, b, r, config)]
+    for a, c in zip(fused, launched):
+        assert a.float().abs().max() > 0.1 and torch.equal(a, c)
+
+
 def test_reference_is_torch_bf16():
     # with round-to-nearest casts the references are the torch expressions (up to a rare
     # 1-ulp flip from the fp32 summation order)
@@ -348,10 +363,11 @@ def test_decoder_gemv_bf16_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_pdl_chain_in_graph_equals_plain_launches(monkeypatch):
+def test_pdl_fused_reduce_chain_in_graph_equals_plain_launches(monkeypatch):
     """Talker shapes, 4 layers' GEMVs chained (each reads the one before), captured with
-    programmatic dependent launch: bit-identical to eager launches without it, over replays
-    on new inputs (a kernel reading before its wait would show up as a mismatch)."""
+    programmatic dependent launch and split-K sums in the GEMV launch: bit-identical to eager
+    launches without either, over replays on new inputs (a kernel reading before its wait, or
+    a partial read before it was stored, would show up as a mismatch)."""
     from omnistage.engine.ar import triton_pdl
     if not triton_pdl.pdl_kwargs(torch.device(DEVICE)):
         pytest.skip("PDL needs a Hopper (sm_90+) GPU")
@@ -378,7 +394,8 @@ def test_pdl_chain_in_graph_equals_plain_launches(monkeypatch):
     with torch.cuda.graph(graph):
         out = chain()
     monkeypatch.setattr(triton_pdl, "ENABLED", False)
-    for _ in range(3):
+    monkeypatch.setattr(tg, "FUSED_REDUCE", False)
+    for _ in range(20):
         x.copy_(rnd(1, d))
         graph.replay()
         plain = chain()

@@ -11,9 +11,11 @@ step; evict-first, as W is not read again this step) and keeps fp32 accumulators
 The products are either tl.dot (M padded to 16, tensor cores) or broadcast FMAs reduced along
 K (no padding: the better choice at M = 1). A norm is recomputed
 by every program from x (M x K elements, L2-resident) instead of costing a launch. When too few
-programs cover the GPU (N / BLOCK_N small, K large: the down projection), K is split and a
-second launch sums the fp32 partials in a fixed order (deterministic, no atomics) and runs the
-epilogue there. Launch shapes depend only on tensor shapes: CUDA-graph capturable.
+programs cover the GPU (N / BLOCK_N small, K large: the down projection), K is split: each
+split stores fp32 partials and counts its arrival on its N tile (an atomic add), and the last
+one to arrive sums the partials in split order (deterministic) and runs the epilogue, so no
+second launch is needed (FUSED_REDUCE; else a reduce launch does it, the same sums). Launch
+shapes depend only on tensor shapes: CUDA-graph capturable.
 
 Rounding follows the torch expressions in models/layers.py: the norm casts to the dtype before
 the product with its weight (product rounded to the dtype), a linear's output is rounded to
@@ -185,12 +187,13 @@ def _tile_mac(acc, acc_up, w, w_up, x_rows, ln_ptr, rstd, kk, K, m_ok,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr,
+    x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_rm, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_RES: tl.constexpr, SPLITS: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # grid (cdiv(N, BLOCK_N), splits); N = output columns (F for gate/up: up rows start at F)
     pid_n = tl.program_id(0)
@@ -228,16 +231,46 @@ def _gemv_kernel(
         acc, acc_up = _tile_mac(acc, acc_up, w, w_up, x_rows, ln_ptr, rstd, k0 + rk, K, m_ok,
                                 HAS_NORM, SILU_MUL, EVEN_K, USE_DOT, DOT_F32)
 
-    if SPLIT:  # fp32 partials [splits, M, N (x2 for gate/up)], summed by _reduce_kernel
+    if SPLITS > 1:  # fp32 partials [splits, M, N (x2 for gate/up)]
         width = 2 * N if SILU_MUL else N
-        part = out_ptr + pid_k * M * width + rm[:, None] * width + rn[None, :]
+        part = part_ptr + pid_k * M * width + rm[:, None] * width + rn[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         tl.store(part, acc, mask=mask)
         if SILU_MUL:
             tl.store(part + N, acc_up, mask=mask)
+        if FUSED_REDUCE:  # the last split of this N tile to finish sums them (else a launch)
+            tl.debug_barrier()  # every thread's partial stored before the count (release)
+            done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == SPLITS - 1:
+                acc, acc_up = _sum_partials(part_ptr, rm, rn, M, N, SPLITS, SILU_MUL, True)
+                _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm,
+                          stride_om, HAS_BIAS, SILU_MUL, HAS_RES)
+                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # next use
     else:
         _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
                   HAS_BIAS, SILU_MUL, HAS_RES)
+
+
+@triton.jit
+def _sum_partials(part_ptr, rm, rn, M, N, S, SILU_MUL: tl.constexpr, L2_ONLY: tl.constexpr):
+    # the S fp32 partials of rows rm, columns rn, summed in split order (deterministic);
+    # L2_ONLY: written by other programs of the running kernel, so not read through L1
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    width = 2 * N if SILU_MUL else N
+    ptrs = part_ptr + rm[:, None] * width + rn[None, :]
+    acc = tl.zeros([rm.shape[0], rn.shape[0]], dtype=tl.float32)
+    acc_up = tl.zeros([rm.shape[0], rn.shape[0]], dtype=tl.float32)
+    for s in range(S):
+        if L2_ONLY:
+            acc += tl.load(ptrs + s * M * width, mask=mask, other=0.0, cache_modifier=".cg")
+            if SILU_MUL:
+                acc_up += tl.load(ptrs + s * M * width + N, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+        else:
+            acc += tl.load(ptrs + s * M * width, mask=mask, other=0.0)
+            if SILU_MUL:
+                acc_up += tl.load(ptrs + s * M * width + N, mask=mask, other=0.0)
+    return acc, acc_up
 
 
 @triton.jit
@@ -251,17 +284,30 @@ def _reduce_kernel(
     pdl_wait(PDL)
     rm = tl.arange(0, M_PAD)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    width = 2 * N if SILU_MUL else N
-    ptrs = part_ptr + rm[:, None] * width + rn[None, :]
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for s in range(S):
-        acc += tl.load(ptrs + s * M * width, mask=mask, other=0.0)
-        if SILU_MUL:
-            acc_up += tl.load(ptrs + s * M * width + N, mask=mask, other=0.0)
+    acc, acc_up = _sum_partials(part_ptr, rm, rn, M, N, S, SILU_MUL, False)
     _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
               HAS_BIAS, SILU_MUL, HAS_RES)
+
+
+# Split K: the last split of each N tile to finish sums the partials and runs the epilogue,
+# counted in a per-weight int32 array that this program resets (no second launch). False: a
+# separate reduce launch (benchmarks compare the two).
+FUSED_REDUCE = os.environ.get("OMNISTAGE_GEMV_FUSED_REDUCE", "1") != "0"
+_COUNTS: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _arrival_counts(w: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """Zeroed arrival counters of this weight's N tiles (each launch leaves them at zero).
+
+    NOTE: keyed by the weight, so kernels that may run at the same time (the thinker's and
+    the talker's, on their own streams) never share counters; launches of one weight are
+    ordered on its stage's stream. Created on first use, which is a graph's warm-up run, not
+    its capture."""
+    key = (w.device.index or 0, w.data_ptr(), n_tiles)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = _COUNTS[key] = torch.zeros(n_tiles, dtype=torch.int32, device=w.device)
+    return counts
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -305,16 +351,19 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     res = residual if residual is not None else dummy
     flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None,
                  **pdl_kwargs(x.device))
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), splits)](
-        x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, part,
+    n_tiles = triton.cdiv(N, cfg.block_n)
+    fused = splits > 1 and FUSED_REDUCE
+    _gemv_kernel[(n_tiles, splits)](
+        x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, out,
+        part, _arrival_counts(w, n_tiles) if fused else out,
         M, N, K, k_split, float(eps), x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_K=max(16, min(triton.next_power_of_2(K), 8192 // m_pad)),
-        HAS_NORM=ln_w is not None, SPLIT=splits > 1,
+        HAS_NORM=ln_w is not None, SPLITS=splits, FUSED_REDUCE=fused,
         EVEN_K=K % cfg.block_k == 0,  # k_split is a multiple of block_k: full steps
         USE_DOT=cfg.use_dot, DOT_F32=_INTERPRET or x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
-    if splits > 1:
+    if splits > 1 and not fused:
         m_red = triton.next_power_of_2(M)
         block = max(16, 1024 // m_red)
         _reduce_kernel[(triton.cdiv(N, block),)](
