@@ -109,7 +109,7 @@ def time_path(case: dict, device: torch.device, fast: bool, reps: int) -> float:
         return round(sorted(t)[len(t) // 2], 4)
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):  # warm-up (Triton compiles) as DecodeGraphs._capture does
+    with torch.cuda.stream(s):  # warm-up (Triton compiles) as DecodeGraphs.capture_graph does
         for _ in range(2):
             fn()
     torch.cuda.current_stream(device).wait_stream(s)

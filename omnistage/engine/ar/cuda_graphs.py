@@ -285,7 +285,9 @@ class DecodeGraphs:
             self.tokens[:B].copy_(ids)
         return ids
 
-    def _capture(self, fn) -> _Graph | _EagerGraph:
+    def capture_graph(self, fn) -> _Graph | _EagerGraph:
+        """fn(warm) -> output, run twice to warm up, then captured into this runner's pool on
+        its capture stream (PrefillGraphs captures through it too); eager mode: a stand-in."""
         if not self.capture:
             out = fn(True)
             if self.hidden is None:
@@ -342,8 +344,8 @@ class DecodeGraphs:
                 self.embeds_mask[:B].zero_()
             if has_a:
                 self.additive[:B].zero_()
-            fwd = self.graphs[key] = self._capture(lambda warm: self._forward(B, has_e, has_a,
-                                                                              warm))
+            fwd = self.graphs[key] = self.capture_graph(
+                lambda warm: self._forward(B, has_e, has_a, warm))
         self._stage_rows(embeds_rows, add_rows, B, has_e, has_a)
         fwd.replay()
         out = None
@@ -383,7 +385,7 @@ class DecodeGraphs:
             if key not in self.graphs:
                 if has_a:
                     self.additive[:B].zero_()
-                self.graphs[key] = self._capture(
+                self.graphs[key] = self.capture_graph(
                     lambda warm, B=B: self._forward(B, False, has_a, warm))
             for flags in flag_sets:
                 self._get_head(B, flags)
@@ -392,7 +394,7 @@ class DecodeGraphs:
         key = (B, flags)
         if key not in self.heads:
             try:
-                self.heads[key] = self._capture(lambda warm: self._head(B, flags, warm))
+                self.heads[key] = self.capture_graph(lambda warm: self._head(B, flags, warm))
             except RuntimeError as e:  # NOTE: keeps the engine running; the eager sampler is exact
                 if flags is None:
                     raise

@@ -141,7 +141,7 @@ class PrefillGraphs:
         graph = self.graphs.get(key)
         if graph is None:
             self._stage_rows(embeds_row, add_row, n, T)  # warm-up rows: the real ones
-            graph = self.graphs[key] = self.decode._capture(
+            graph = self.graphs[key] = self.decode.capture_graph(
                 lambda warm: self._forward(T, has_e, has_a, warm))
         self._stage_rows(embeds_row, add_row, n, T)
         graph.replay()
@@ -163,5 +163,5 @@ class PrefillGraphs:
         self.ints.copy_(ints)
         for T in self.buckets:
             if (T, False, False) not in self.graphs:
-                self.graphs[(T, False, False)] = self.decode._capture(
+                self.graphs[(T, False, False)] = self.decode.capture_graph(
                     lambda warm, T=T: self._forward(T, False, False, warm))
