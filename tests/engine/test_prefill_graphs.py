@@ -25,10 +25,11 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalt
                          max_tokens=6, ignore_eos=True)
 
 
-def _run(model, device, params, talker: bool, prefill_graphs: bool):
-    """Each prompt alone (so every prefill is a one-sequence step) -> tokens, exported rows."""
+def _run(model, device, params, talker: bool, prefill_graphs: bool, budget: int = 512):
+    """Each prompt alone (so every prefill is a one-sequence step) -> tokens, exported rows.
+    budget: tokens per step (a smaller one chunks the prefills)."""
     cfg = EngineConfig(max_model_len=512, max_num_seqs=4, block_size=8,
-                       max_num_batched_tokens=512)
+                       max_num_batched_tokens=budget)
     eng = AREngine(model, cfg, device, torch.float32)
     if prefill_graphs:
         assert eng.runner.prefill_graphs is not None
@@ -41,9 +42,10 @@ def _run(model, device, params, talker: bool, prefill_graphs: bool):
             width = model.model.embed_tokens.weight.shape[1]
             kw = dict(mrope_positions=torch.arange(len(p)).expand(3, -1) * torch.tensor(
                 [[1], [2], [3]]), rope_delta=5,
-                input_source=RandomInputRows(len(p), width, i, device))
+                input_source=RandomInputRows(len(p), width, i, device), cacheable=False)
         seq = Sequence(f"r{i}", p, params, seed=1000 + i, **kw)
-        seq.export_hidden = True
+        # the last prompt does not export its rows, so it may take prefix-cache hits
+        seq.export_hidden = i < len(PROMPTS) - 1
         eng.add_request(seq)
         out, hid = [], []
         while eng.has_unfinished():
@@ -52,28 +54,68 @@ def _run(model, device, params, talker: bool, prefill_graphs: bool):
                 if u.hidden is not None:
                     hid.append(u.hidden[1].float().cpu())
         tokens.append(out)
-        rows.append(torch.cat(hid))
+        rows.append(torch.cat(hid) if hid else None)
     return tokens, rows, eng
+
+
+@pytest.fixture
+def graph_runs(monkeypatch):
+    """(request id, first position, positions) of every prefill-graph run."""
+    calls = []
+    real = PrefillGraphs.run
+
+    def run(self, seq, start, n, *args):
+        calls.append((seq.request_id, start, n))
+        return real(self, seq, start, n, *args)
+    monkeypatch.setattr(PrefillGraphs, "run", run)
+    return calls
+
+
+def _same_rows(ref_rows, rows):
+    assert sum(r is not None for r in ref_rows) == len(PROMPTS) - 1
+    for r, h in zip(ref_rows, rows):
+        if r is None:
+            assert h is None
+            continue
+        assert r.shape == h.shape and r.abs().max() > 0.1
+        torch.testing.assert_close(h, r, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("talker", [False, True])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_prefill_graphs_match_eager(monkeypatch, talker, params):
+def test_prefill_graphs_match_eager(monkeypatch, graph_runs, talker, params):
     monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
-    model, _ = _models(talker) if torch.cuda.is_available() else (_cpu_model(talker), None)
+    model = _cpu_model(talker)
     ref, ref_rows, _ = _run(model, torch.device("cpu"), params, talker, prefill_graphs=False)
+    assert not graph_runs
     got, rows, eng = _run(model, torch.device("cpu"), params, talker, prefill_graphs=True)
     pg = eng.runner.prefill_graphs
-    # every prompt but the 300-token one; the prefix-cache hit's prefill is 9 positions
-    assert pg.num_runs == len(PROMPTS) - 1
+    # every prompt but the 300-token one; the last one's prefill starts past its cached
+    # 24-token prefix (the talker's per-request rows are not cacheable: all 33 positions)
+    assert graph_runs == [("r0", 0, 3), ("r1", 0, 17), ("r2", 0, 40), ("r4", 0, 30),
+                          ("r5", 0, 33) if talker else ("r5", 24, 9)]
     assert {k[0] for k in pg.graphs} == {16, 32, 64}
     if talker:
         assert all(has_e and has_a is False for _, has_e, has_a in pg.graphs)
     assert got == ref
     assert len({t for seq in ref for t in seq}) > 5  # non-trivial output
-    for r, h in zip(ref_rows, rows):
-        assert r.shape == h.shape and r.abs().max() > 0.1
-        torch.testing.assert_close(h, r, rtol=1e-4, atol=1e-4)
+    _same_rows(ref_rows, rows)
+
+
+@pytest.mark.parametrize("talker", [False, True])
+def test_chunked_prefill_through_graphs(monkeypatch, graph_runs, talker):
+    # 24-token steps: prompts of 30+ tokens prefill in chunks that start past 0, and only
+    # the last chunk samples; the 300-token prompt's chunks fit a bucket too
+    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
+    model = _cpu_model(talker)
+    ref, ref_rows, _ = _run(model, torch.device("cpu"), SAMPLED, talker, False, budget=24)
+    got, rows, _ = _run(model, torch.device("cpu"), SAMPLED, talker, True, budget=24)
+    want = [(f"r{i}", s, min(24, len(p) - s)) for i, p in enumerate(PROMPTS[:5])
+            for s in range(0, len(p), 24)]
+    want += [("r5", 0, 24), ("r5", 24, 9)] if talker else [("r5", 24, 9)]
+    assert graph_runs == want
+    assert got == ref
+    _same_rows(ref_rows, rows)
 
 
 def _cpu_model(talker: bool):
@@ -111,5 +153,4 @@ def test_prefill_graphs_gpu_match_cpu(talker):
     got, rows, eng = _run(gpu_model, torch.device("cuda"), GREEDY, talker, True)
     assert eng.runner.prefill_graphs.num_runs == len(PROMPTS) - 1
     assert got == ref
-    for r, h in zip(ref_rows, rows):
-        torch.testing.assert_close(h, r, rtol=1e-4, atol=1e-4)
+    _same_rows(ref_rows, rows)
