@@ -39,12 +39,7 @@ def _run(model, device, prompts, params, talker: bool, graphs: bool, max_num_seq
     if not graphs:
         eng.runner.graphs = None
     for i, p in enumerate(prompts):
-        kw = {}
-        if talker:
-            width = model.model.embed_tokens.weight.shape[1]
-            kw = dict(mrope_positions=torch.arange(len(p)).expand(3, -1) * torch.tensor(
-                [[1], [2], [3]]), rope_delta=5,
-                input_source=RandomInputRows(len(p), width, i, device), cacheable=False)
+        kw = talker_inputs(model, p, i, device) if talker else {}
         eng.add_request(Sequence(f"r{i}", p, params, seed=1000 + i, **kw))
     out: dict[str, list[int]] = {}
     while eng.has_unfinished():
@@ -53,13 +48,28 @@ def _run(model, device, prompts, params, talker: bool, graphs: bool, max_num_seq
     return [out[f"r{i}"] for i in range(len(prompts))], eng
 
 
-def _models(talker: bool):
+def talker_inputs(model, prompt: list[int], i: int, device) -> dict:
+    """Sequence kwargs of a talker-like request: mrope positions, seeded input rows (the
+    prompt's replace the token embeddings, later ones are added), not prefix-cacheable."""
+    width = model.model.embed_tokens.weight.shape[1]
+    return dict(mrope_positions=torch.arange(len(prompt)).expand(3, -1) * torch.tensor(
+        [[1], [2], [3]]), rope_delta=5,
+        input_source=RandomInputRows(len(prompt), width, i, device), cacheable=False)
+
+
+def cpu_model(talker: bool):
+    """The tiny LM or talker-like model, seeded weights, fp32 on the CPU."""
     torch.manual_seed(0)
     m = Qwen2_5OmniTalkerForCausalLM(TALKER_CFG) if talker else DecoderForCausalLM(LM_CFG)
     scale_weights_(m, 0.2)
+    return m.eval()
+
+
+def _models(talker: bool):
+    m = cpu_model(talker)
     gpu = type(m)(TALKER_CFG if talker else LM_CFG)
     gpu.load_state_dict(m.state_dict())
-    return m.eval(), gpu.cuda().eval()
+    return m, gpu.cuda().eval()
 
 
 @pytest.mark.gpu

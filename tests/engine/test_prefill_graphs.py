@@ -12,8 +12,7 @@ from omnistage.engine.ar.prefill_graphs import PrefillGraphs
 from omnistage.engine.ar.scheduler import EngineConfig
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.sampling_params import SamplingParams
-from omnistage.testing.input_rows import RandomInputRows
-from tests.engine.test_cuda_graphs import _models
+from tests.engine.test_cuda_graphs import _models, cpu_model, talker_inputs
 
 # 3 .. 40 tokens: buckets 16, 32, 64; 300 tokens: past the largest bucket (eager); the last
 # two share a 24-token prefix (3 blocks of 8), so the second prefill starts at position 24
@@ -37,12 +36,7 @@ def _run(model, device, params, talker: bool, prefill_graphs: bool, budget: int 
         eng.runner.prefill_graphs = None
     tokens, rows = [], []
     for i, p in enumerate(PROMPTS):
-        kw = {}
-        if talker:
-            width = model.model.embed_tokens.weight.shape[1]
-            kw = dict(mrope_positions=torch.arange(len(p)).expand(3, -1) * torch.tensor(
-                [[1], [2], [3]]), rope_delta=5,
-                input_source=RandomInputRows(len(p), width, i, device), cacheable=False)
+        kw = talker_inputs(model, p, i, device) if talker else {}
         seq = Sequence(f"r{i}", p, params, seed=1000 + i, **kw)
         # the last prompt does not export its rows, so it may take prefix-cache hits
         seq.export_hidden = i < len(PROMPTS) - 1
@@ -85,7 +79,7 @@ def _same_rows(ref_rows, rows):
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_prefill_graphs_match_eager(monkeypatch, graph_runs, talker, params):
     monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
-    model = _cpu_model(talker)
+    model = cpu_model(talker)
     ref, ref_rows, _ = _run(model, torch.device("cpu"), params, talker, prefill_graphs=False)
     assert not graph_runs
     got, rows, eng = _run(model, torch.device("cpu"), params, talker, prefill_graphs=True)
@@ -107,7 +101,7 @@ def test_chunked_prefill_through_graphs(monkeypatch, graph_runs, talker):
     # 24-token steps: prompts of 30+ tokens prefill in chunks that start past 0, and only
     # the last chunk samples; the 300-token prompt's chunks fit a bucket too
     monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
-    model = _cpu_model(talker)
+    model = cpu_model(talker)
     ref, ref_rows, _ = _run(model, torch.device("cpu"), SAMPLED, talker, False, budget=24)
     got, rows, _ = _run(model, torch.device("cpu"), SAMPLED, talker, True, budget=24)
     want = [(f"r{i}", s, min(24, len(p) - s)) for i, p in enumerate(PROMPTS[:5])
@@ -118,20 +112,9 @@ def test_chunked_prefill_through_graphs(monkeypatch, graph_runs, talker):
     _same_rows(ref_rows, rows)
 
 
-def _cpu_model(talker: bool):
-    from omnistage.models.layers import DecoderForCausalLM
-    from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
-    from omnistage.testing.tiny_lm import scale_weights_
-    from tests.engine.test_cuda_graphs import LM_CFG, TALKER_CFG
-    torch.manual_seed(0)
-    m = Qwen2_5OmniTalkerForCausalLM(TALKER_CFG) if talker else DecoderForCausalLM(LM_CFG)
-    scale_weights_(m, 0.2)
-    return m.eval()
-
-
 def test_buckets_and_bad_sizes(monkeypatch):
     monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
-    model = _cpu_model(False)
+    model = cpu_model(False)
     eng = AREngine(model, EngineConfig(max_model_len=128, max_num_seqs=2, block_size=8),
                    torch.device("cpu"), torch.float32)
     pg = eng.runner.prefill_graphs
@@ -148,8 +131,8 @@ def test_buckets_and_bad_sizes(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("talker", [False, True])
 def test_prefill_graphs_gpu_match_cpu(talker):
-    cpu_model, gpu_model = _models(talker)
-    ref, ref_rows, _ = _run(cpu_model, torch.device("cpu"), GREEDY, talker, False)
+    ref_model, gpu_model = _models(talker)
+    ref, ref_rows, _ = _run(ref_model, torch.device("cpu"), GREEDY, talker, False)
     got, rows, eng = _run(gpu_model, torch.device("cuda"), GREEDY, talker, True)
     assert eng.runner.prefill_graphs.num_runs == len(PROMPTS) - 1
     assert got == ref
