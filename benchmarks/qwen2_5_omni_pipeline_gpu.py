@@ -44,6 +44,15 @@ HF_H100 = {"bs1_rtf": 5.285, "bs1_first_audio_s": 108.23, "bs8_audio_s_per_s": 1
            "bs32_audio_s_per_s": 3.273}
 # --staggered-modes: code2wav policies of a staggered round (unset: the stage's own)
 STAGGERED_MODES = {"default": {}, "first_shared": {"first_alone": False}}
+# extra rounds: the args attribute listing their concurrencies -> (mode, round name suffix)
+ROUND_MODES = {"serial": ("serial", "_serial_steps"),
+               "sync_sched": ("sync", "_no_async_scheduling"),
+               "staggered": ("staggered", "_staggered"),
+               "first_shared": ("first_shared", "_first_chunk_shared"),
+               "ar_streams_shared": ("ar_shared", "_ar_stream_shared"),
+               "ar_streams_flat": ("ar_flat", "_ar_streams_one_priority"),
+               "eager_prefill": ("eager_prefill", "_eager_prefill")}
+MODE_SUFFIX = dict(ROUND_MODES.values())
 TARGETS = {"ttfa_s_c1": 0.25, "rtf_c1": 0.10, "audio_s_per_s_c32": 65.0}
 
 
@@ -364,9 +373,7 @@ async def main_async(args, res: dict, save) -> None:
         Path(pipeline).write_text(yaml.safe_dump(cfg))
         res["process_stages"] = args.process_stages
     # sized for the largest round of any kind (a staggered or serial round included)
-    top = max(conc + [int(c) for a in (args.serial, args.sync_sched, args.staggered, args.oneshot,
-                                       args.first_shared, args.ar_streams_shared,
-                                       args.ar_streams_flat, args.eager_prefill)
+    top = max(conc + [int(c) for a in [args.oneshot, *(getattr(args, f) for f in ROUND_MODES)]
                       for c in a.split(",") if c]
               + ([args.staggered_c] if args.staggered_modes else []))
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
@@ -395,13 +402,8 @@ async def main_async(args, res: dict, save) -> None:
     rounds += [(int(c), True) for c in args.oneshot.split(",") if c]
     if args.oneshot_only:
         rounds = [r for r in rounds if r[1]]
-    rounds += [(int(c), "serial") for c in args.serial.split(",") if c]
-    rounds += [(int(c), "sync") for c in args.sync_sched.split(",") if c]
-    rounds += [(int(c), "staggered") for c in args.staggered.split(",") if c]
-    rounds += [(int(c), "first_shared") for c in args.first_shared.split(",") if c]
-    rounds += [(int(c), "ar_shared") for c in args.ar_streams_shared.split(",") if c]
-    rounds += [(int(c), "ar_flat") for c in args.ar_streams_flat.split(",") if c]
-    rounds += [(int(c), "eager_prefill") for c in args.eager_prefill.split(",") if c]
+    rounds += [(int(c), mode) for flag, (mode, _) in ROUND_MODES.items()
+               for c in getattr(args, flag).split(",") if c]
     for m in (m for m in args.staggered_modes.split(",") if m):
         if m not in STAGGERED_MODES:
             raise SystemExit(f"--staggered-modes: {m!r} is not one of {sorted(STAGGERED_MODES)}")
@@ -415,13 +417,7 @@ async def main_async(args, res: dict, save) -> None:
         alone = False if mode == "first_shared" else STAGGERED_MODES.get(policy, {}).get(
             "first_alone")
         name = f"c{c}" + ("_oneshot_code2wav" if oneshot else "") + (
-            "_serial_steps" if mode == "serial" else "") + (
-            "_no_async_scheduling" if mode == "sync" else "") + (
-            "_staggered" if staggered else "") + (
-            "_first_chunk_shared" if mode == "first_shared" else "") + (
-            "_ar_stream_shared" if mode == "ar_shared" else "") + (
-            "_ar_streams_one_priority" if mode == "ar_flat" else "") + (
-            "_eager_prefill" if mode == "eager_prefill" else "") + (
+            "_staggered" if staggered else MODE_SUFFIX.get(mode, "")) + (
             f"_{policy}" if policy in STAGGERED_MODES else "")
         if name in res["runs"]:  # a concurrency listed twice: its rounds keep apart
             name += f"_{sum(k.startswith(name) for k in res['runs']) + 1}"
