@@ -47,7 +47,12 @@ from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav  # noqa
 
 SR, HOP, CODES = 24000, 240, 1024
 SCHEDULES = {"default": Qwen2_5OmniCode2WavStreamConfig(),
-             "first1_then3": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=3, first_chunk_blocks=1)}
+             "first1_then3": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=3, first_chunk_blocks=1),
+             # the pipeline benchmark's flags: --chunk-blocks 12 --first-chunk-blocks 1
+             "first1_then12": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=12,
+                                                              first_chunk_blocks=1)}
+# a middle chunk of each schedule: full window, full vocoder span (window 96, 144, 360 frames)
+MIDDLE_CHUNK = {"default": 40, "first1_then3": 14, "first1_then12": 3}
 
 
 def token2wav_config(small: bool) -> dict:
@@ -96,14 +101,17 @@ class Bench:
             out.append(s)
         return out
 
-    def decoder(self, dtype: str, graphs: bool, compile: bool = False
-                ) -> Qwen2_5OmniCode2WavDecoder:
+    def decoder(self, dtype: str, graphs: bool, compile: bool = False,
+                attention: str | None = None) -> Qwen2_5OmniCode2WavDecoder:
+        """attention: the DiT's ("block" Triton kernel or "sdpa"); None: the decoder's default
+        (block on CUDA)."""
         if self.small:  # CPU: float32 without graphs only
             dtype, graphs, compile = "float32", False, False
-        key = (dtype, graphs, compile)
+        key = (dtype, graphs, compile, attention)
         if key not in self.decoders:
-            self.decoders[key] = Qwen2_5OmniCode2WavDecoder(self.model, dit_dtype=dtype,
-                                                            cuda_graphs=graphs, compile=compile)
+            self.decoders[key] = Qwen2_5OmniCode2WavDecoder(
+                self.model, dit_dtype=dtype, cuda_graphs=graphs, compile=compile,
+                dit_attention=attention)
         return self.decoders[key]
 
     def section(self, name: str, fn) -> None:
@@ -153,12 +161,12 @@ class Bench:
             n for k, n in ev.items() if k.startswith("aten::"))}
 
     def steps(self, dtype: str, graphs: bool, schedule: str, batches=(1, 8, 32),
-              compile: bool = False) -> dict:
-        config, dec = SCHEDULES[schedule], self.decoder(dtype, graphs, compile)
+              compile: bool = False, attention: str | None = None) -> dict:
+        config, dec = SCHEDULES[schedule], self.decoder(dtype, graphs, compile, attention)
         reps = 1 if self.small else 10
         batches = (1, 2) if self.small else batches
         chunk = config.chunk_blocks * self.model.spec.block_size
-        k = 40 if schedule == "default" else 14  # a middle chunk: full window, full vocoder span
+        k = MIDDLE_CHUNK[schedule]
         out: dict = {}
         for bs in batches:
             reqs = [(s, k) for s in self.streams(bs, config)]
@@ -194,25 +202,29 @@ class Bench:
         return out
 
     def accuracy(self) -> dict:
-        """bf16 compiled vs uncompiled graphs; fp32/bf16 graphs (compiled or not) vs fp32 eager;
-        fast eager vs the module path."""
+        """bf16 compiled vs uncompiled graphs; fp32/bf16 graphs (compiled or not, block or SDPA
+        attention) vs fp32 eager with SDPA (the module's math); fast eager vs the module path."""
         config = SCHEDULES["default"]
         reqs = [(s, k) for s, k in zip(self.streams(8, config), (0, 1, 2, 40, 41, 60, 84, 85))]
         # chunks 0-1 clipped at frame 0, 85 (the last: 8 frames) at the utterance's end
-        ref = self.decoder("float32", False).decode(reqs)
+        ref = self.decoder("float32", False, attention="sdpa").decode(reqs)
         out: dict = {}
         module = decode_chunks_with_mel(self.model, reqs[:2])
         out["fast_eager_vs_module_max_abs"] = {
             "mel": float(max((a.mel - b.mel).abs().max() for a, b in zip(ref, module))),
             "wave": float(max((a.waveform - b.waveform).abs().max() for a, b in zip(ref, module)))}
-        variants = [("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)]
+        # (dtype, graphs, compiled, attention); None: the default (block on CUDA)
+        variants = [("float32", False, False, "block"), ("float32", True, False, None),
+                    ("bfloat16", True, False, None), ("bfloat16", True, True, None),
+                    ("bfloat16", True, True, "sdpa")]
         if self.args.all:
-            variants.append(("tf32", False))
+            variants.append(("tf32", True, False, None))
         got = {}
-        for dtype, comp in variants:
-            name = f"{dtype}{'_compiled' if comp else ''}_graph"
-            got[name] = self.decoder(dtype, True, comp).decode(reqs)
-            out[f"{name}_vs_fp32_eager"] = compare(got[name], ref)
+        for dtype, graphs, comp, attention in variants:
+            name = (f"{dtype}{'_compiled' if comp else ''}{'_graph' if graphs else '_eager'}"
+                    f"{'_sdpa' if attention == 'sdpa' else ''}")
+            got[name] = self.decoder(dtype, graphs, comp, attention).decode(reqs)
+            out[f"{name}_vs_fp32_eager_sdpa"] = compare(got[name], ref)
         if "bfloat16_compiled_graph" in got:
             out["bfloat16_compiled_vs_uncompiled"] = compare(got["bfloat16_compiled_graph"],
                                                              got["bfloat16_graph"])
@@ -236,13 +248,15 @@ class Bench:
             "wave_snr_db": snr_db(torch.cat([c.waveform for c in chunks]), wavs[0])}
         return out
 
-    def kernels(self) -> dict:
+    def kernels(self, attention: str | None = None) -> dict:
         """One compiled bf16 ODE run eagerly (no graph) under the profiler: kernels per ODE, GPU
-        time by kind, the attention kernels' names; at (bucket 1, 96) and (bucket 32, 144)."""
+        time by kind, the attention kernels' names; at (bucket 1, 96), (bucket 32, 144) and
+        (bucket 32, 360: the pipeline's 12-block chunks)."""
         from torch.profiler import ProfilerActivity, profile
-        dec = self.decoder("bfloat16", not self.small, not self.small)
+        dec = self.decoder("bfloat16", not self.small, not self.small, attention)
         out: dict = {}
-        for bucket, width in ((1, 96), (32, 144)) if not self.small else ((1, 96),):
+        shapes = ((1, 96), (32, 144), (32, 360)) if not self.small else ((1, 96),)
+        for bucket, width in shapes:
             buf = dec.new_dit_inputs(bucket, width)
             buf["nvalid"].fill_(width)
             with torch.inference_mode():
@@ -292,23 +306,40 @@ def main() -> None:
                     help="also the float32/tf32 graph and eager sections (slow)")
     ap.add_argument("--deadline-s", type=float, default=220.0,
                     help="start no further section after this many seconds")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated section names to run (default: all of the run)")
     args = ap.parse_args()
     if not args.small and not torch.cuda.is_available():
         raise SystemExit("code2wav_gpu.py: needs a CUDA device")
     b = Bench(args)
-    b.section("module_path_fp32", b.module_path)
-    b.section("accuracy", b.accuracy)
-    for schedule in ("default", "first1_then3"):
-        b.section(f"graph_bfloat16_compiled_{schedule}",
-                  lambda s=schedule: b.steps("bfloat16", True, s, compile=True))
-    b.section("kernels_bfloat16_compiled", b.kernels)
+    sections = [("module_path_fp32", b.module_path), ("accuracy", b.accuracy)]
+    for schedule in SCHEDULES:
+        sections.append((f"graph_bfloat16_compiled_{schedule}",
+                         lambda s=schedule: b.steps("bfloat16", True, s, compile=True)))
+    # the same with the DiT's attention on SDPA over dense masks (before the block kernel)
+    sections.append(("graph_bfloat16_compiled_first1_then12_sdpa",
+                     lambda: b.steps("bfloat16", True, "first1_then12", compile=True,
+                                     attention="sdpa")))
+    sections += [("kernels_bfloat16_compiled", b.kernels),
+                 ("kernels_bfloat16_compiled_sdpa", lambda: b.kernels("sdpa"))]
     for schedule in ("default", "first1_then3"):  # the uncompiled graphs, for comparison
-        b.section(f"graph_bfloat16_{schedule}", lambda s=schedule: b.steps("bfloat16", True, s))
+        sections.append((f"graph_bfloat16_{schedule}",
+                         lambda s=schedule: b.steps("bfloat16", True, s)))
     if args.all:
-        b.section("fast_eager_fp32", lambda: b.steps("float32", False, "default", (1,)))
+        sections.append(("fast_eager_fp32", lambda: b.steps("float32", False, "default", (1,))))
         for dtype in ("float32", "tf32"):
-            b.section(f"graph_{dtype}_default", lambda d=dtype: b.steps(d, True, "default"))
-        b.section("graph_float32_first1_then3", lambda: b.steps("float32", True, "first1_then3"))
+            sections.append((f"graph_{dtype}_default",
+                             lambda d=dtype: b.steps(d, True, "default")))
+        sections.append(("graph_float32_first1_then3",
+                         lambda: b.steps("float32", True, "first1_then3")))
+    wanted = set(args.sections.split(",")) if args.sections else None
+    unknown = (wanted or set()) - {name for name, _ in sections}
+    if unknown:
+        raise SystemExit(f"--sections: unknown {sorted(unknown)}; known: "
+                         f"{[name for name, _ in sections]}")
+    for name, fn in sections:
+        if wanted is None or name in wanted:
+            b.section(name, fn)
     b.res["total_s"] = round(time.perf_counter() - b.t0, 1)
     b.res["peak_mem_GiB_max_section"] = max(
         (v["peak_mem_GiB"] for v in b.res.values() if isinstance(v, dict) and "peak_mem_GiB" in v),

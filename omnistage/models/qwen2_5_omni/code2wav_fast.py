@@ -8,7 +8,9 @@ ODE state hoisted out of the 36 evaluations:
     over the 22 x 1024 x 6144 modulation weights);
   - the input projection is split into a mel part (per evaluation) and a static part (codes,
     speaker, cond: once per window); rotary angles and attention masks are built once per window;
-  - q, k and v are one GEMM.
+  - q, k and v are one GEMM; on CUDA the attention is one Triton kernel that visits only the
+    blocks a layer's mask lets each query see (dit_attention_triton.py), and the first feed-forward
+    GEMM applies its GELU in the GEMM's epilogue (cuBLASLt, via torch._addmm_activation).
 It reads its inputs only from tensors and does no host synchronisation, so one call can be
 captured in a CUDA graph. The ODE state stays float32 whatever the DiT's compute dtype.
 The DiT runs as three pure step functions (input, layer, output; see the NOTE below them), run
@@ -18,12 +20,16 @@ norms, modulation, rotary, activations and residuals fuse around the GEMMs and a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from . import dit_attention_triton
 from .token2wav_dit import Qwen2_5OmniToken2WavDiT, qwen2_5_omni_dit_attention_mask
 
 DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}
+ATTENTIONS = ("block", "sdpa")  # the Triton block kernel; torch SDPA over a dense [W, W] mask
 
 
 def ode_times(num_steps: int, sway_coefficient: float | None) -> tuple[list[float], list[float]]:
@@ -53,7 +59,9 @@ class Qwen2_5OmniFastDiT:
     @torch.no_grad()
     def __init__(self, dit: Qwen2_5OmniToken2WavDiT, dtype: torch.dtype = torch.float32,
                  num_steps: int = 10, guidance_scale: float = 0.5,
-                 sway_coefficient: float | None = -1.0) -> None:
+                 sway_coefficient: float | None = -1.0, attention: str | None = None) -> None:
+        """attention: "block" (the Triton kernel: CUDA, or CPU under TRITON_INTERPRET=1) or
+        "sdpa"; None = "block" on CUDA (unless OMNISTAGE_DIT_ATTENTION=sdpa), else "sdpa"."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dit_dtype: float32, bfloat16 or float16, got {dtype}")
         if int(num_steps) < 2:
@@ -64,6 +72,18 @@ class Qwen2_5OmniFastDiT:
         self.times, self.widths = ode_times(int(num_steps), sway_coefficient)
         p = next(dit.parameters())
         self.device, mdt = p.device, p.dtype
+        if attention is None:
+            attention = ("block" if p.is_cuda and dit_attention_triton.supported(spec.head_dim)
+                         and os.environ.get("OMNISTAGE_DIT_ATTENTION", "block") != "sdpa"
+                         else "sdpa")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
+        if attention == "block" and not dit_attention_triton.supported(spec.head_dim):
+            raise ValueError(f"attention: 'block' needs a head_dim that is a power of two >= 16, "
+                             f"got {spec.head_dim}")
+        self.attention = attention
+        # the block kernel's block size; 0 selects SDPA in _dit_layer
+        self.block_frames = spec.block_size if attention == "block" else 0
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(dtype).contiguous()
@@ -114,8 +134,9 @@ class Qwen2_5OmniFastDiT:
 
     def window_geometry(self, start: torch.Tensor, nvalid: torch.Tensor, width: int
                         ) -> tuple[tuple[torch.Tensor, torch.Tensor], dict, torch.Tensor]:
-        """start/nvalid [R] long -> (rope cos/sin [rows R, 1, W, hd/2], additive masks by
-        (look_backward, look_ahead) [rows R, 1, W, W], valid [R, W])."""
+        """start/nvalid [R] long -> (rope cos/sin [rows R, 1, W, hd/2], masks by
+        (look_backward, look_ahead), valid [R, W]). The masks: SDPA's additive [rows R, 1, W, W];
+        the block kernel's frame tables [rows R, 4] (dit_attention_triton.frame_table)."""
         rows = 2 if self.use_cfg else 1
         pos = start[:, None] + torch.arange(width, device=start.device)
         valid = torch.arange(width, device=start.device) < nvalid[:, None]
@@ -124,7 +145,12 @@ class Qwen2_5OmniFastDiT:
         rope = (angles.cos().to(self.dtype), angles.sin().to(self.dtype))
         masks = {}
         for *_, key in self.layers:
-            if key not in masks:
+            if key in masks:
+                continue
+            if self.block_frames:
+                masks[key] = dit_attention_triton.frame_table(start.repeat(rows),
+                                                              nvalid.repeat(rows), *key)
+            else:
                 allowed = qwen2_5_omni_dit_attention_mask(pos2, valid2, self.spec.block_size, *key)
                 # rows padded to 16 elements: the fused attention kernels want aligned strides
                 m = torch.zeros(*allowed.shape[:-1], -(-width // 16) * 16, device=start.device,
@@ -144,7 +170,8 @@ class Qwen2_5OmniFastDiT:
         nxt.append((self.out_mods[e][1], self.out_mods[e][0]))  # then the output norm's
         for mods, (*weights, key), (shift, scale) in zip(self.mods, self.layers, nxt,
                                                         strict=True):
-            h, n = layer(h, n, mods[e], shift, scale, *weights, *rope, masks[key], self.heads)
+            h, n = layer(h, n, mods[e], shift, scale, *weights, *rope, masks[key], self.heads,
+                         self.block_frames)
         return out(n, *self.proj_out, keep, self.guidance, self.use_cfg)
 
     def sample(self, noise: torch.Tensor, codes: torch.Tensor, spk: torch.Tensor,
@@ -204,20 +231,34 @@ def _dit_layer(h: torch.Tensor, n: torch.Tensor, mod: torch.Tensor, next_shift: 
                next_scale: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor, wo: torch.Tensor,
                bo: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                b2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-               heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+               heads: int, block_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
     # h [B, W, D] residual stream; n [B, W, D] its modulated attention norm (this layer's);
-    # mod [6, D] this layer's modulation; cos/sin [B, 1, W, hd/2]; mask [B, 1, W, W] additive
+    # mod [6, D] this layer's modulation; cos/sin [B, 1, W, hd/2]; block_frames 0: mask is
+    # SDPA's additive [B, 1, W, W]; else the block kernel's frame table [B, 4]
     # -> (h, the next layer's modulated attention norm of h)
-    b, w, _ = h.shape
+    b, w, d = h.shape
     gate, shift2, scale2, gate2 = mod[2], mod[3], mod[4], mod[5]
-    qkv = F.linear(n, wqkv, bqkv).view(b, w, 3, heads, -1).permute(2, 0, 3, 1, 4)
-    # rotary on q's and k's first head only, output in (evens, odds) order (as the module
-    # does); q and k together: one op (one kernel)
-    qk = torch.cat([_rope_head(qkv[:2, :, :1], cos, sin), qkv[:2, :, 1:]], dim=2)
-    att = F.scaled_dot_product_attention(qk[0], qk[1], qkv[2], attn_mask=mask)
-    h = torch.addcmul(h, gate, F.linear(att.transpose(1, 2).reshape(b, w, -1), wo, bo))
+    qkv = F.linear(n, wqkv, bqkv)
+    if block_frames:
+        att = dit_attention_triton.dit_block_attention(qkv, cos[:, 0], sin[:, 0], mask, heads,
+                                                       block_frames)
+    else:
+        qkv = qkv.view(b, w, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        # rotary on q's and k's first head only, output in (evens, odds) order (as the module
+        # does); q and k together: one op (one kernel)
+        qk = torch.cat([_rope_head(qkv[:2, :, :1], cos, sin), qkv[:2, :, 1:]], dim=2)
+        att = F.scaled_dot_product_attention(qk[0], qk[1], qkv[2], attn_mask=mask)
+        att = att.transpose(1, 2).reshape(b, w, -1)
+    h = torch.addcmul(h, gate, F.linear(att, wo, bo))
     n = _modulate(h, shift2, scale2)
-    h = torch.addcmul(h, gate2, F.linear(F.gelu(F.linear(n, w1, b1), approximate="tanh"), w2, b2))
+    if n.is_cuda:
+        # the GELU in the GEMM's epilogue (cuBLASLt's is the tanh one; the CPU version of this
+        # op applies the erf GELU): no extra pass over the [B W, ff_mult D] rows
+        ff = torch._addmm_activation(b1, n.reshape(b * w, d), w1.t(), use_gelu=True)
+        ff = ff.view(b, w, -1)
+    else:
+        ff = F.gelu(F.linear(n, w1, b1), approximate="tanh")
+    h = torch.addcmul(h, gate2, F.linear(ff, w2, b2))
     return h, _modulate(h, next_shift, next_scale)
 
 

@@ -91,12 +91,13 @@ class Qwen2_5OmniCode2WavDecoder:
     cuda_graphs: None = on for CUDA unless OMNISTAGE_CUDA_GRAPHS=0. pad_batch: None = with graphs.
     compile: torch.compile the DiT inside the graphs; None = with graphs unless
     OMNISTAGE_CODE2WAV_COMPILE=0 (the CPU path and ungraphed shapes stay eager).
+    dit_attention: "block" (Triton) or "sdpa"; None = Qwen2_5OmniFastDiT's default.
     """
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,
                  cuda_graphs: bool | None = None, buckets: tuple[int, ...] = BUCKETS,
                  pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES,
-                 compile: bool | None = None) -> None:
+                 compile: bool | None = None, dit_attention: str | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device = model, p.device
         dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
@@ -123,7 +124,8 @@ class Qwen2_5OmniCode2WavDecoder:
         self.pad_batch = self.use_graphs if pad_batch is None else bool(pad_batch)
         self.max_graph_frames = int(max_graph_frames)
         self.fast = Qwen2_5OmniFastDiT(model.code2wav_dit_model, DTYPES[self.dtype_name],
-                                       ODE_STEPS, GUIDANCE_SCALE, SWAY_COEFFICIENT)
+                                       ODE_STEPS, GUIDANCE_SCALE, SWAY_COEFFICIENT,
+                                       dit_attention)
         self.tf32 = self.dtype_name == "tf32"
         self.spec, self.block = model.spec, model.spec.block_size
         self.speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
