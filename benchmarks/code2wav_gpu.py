@@ -248,6 +248,64 @@ class Bench:
             "wave_snr_db": snr_db(torch.cat([c.waveform for c in chunks]), wavs[0])}
         return out
 
+    def attention_op(self) -> dict:
+        """The DiT's block-attention kernel alone at the real heads (16 x 64), batch-32 CFG rows
+        (64), windows of 144 and 360 frames, per tile config; against torch's path (rotary
+        through cat, SDPA over the dense additive mask, the output transpose) and SDPA alone."""
+        import torch.nn.functional as F
+
+        from omnistage.models.qwen2_5_omni import dit_attention_triton as dat
+        from omnistage.models.qwen2_5_omni.code2wav_fast import _rope_head
+        from omnistage.models.qwen2_5_omni.token2wav_dit import qwen2_5_omni_dit_attention_mask
+        spec, out = self.model.spec, {}
+        heads, hd = spec.num_attention_heads, spec.head_dim
+        rows = 2 if self.small else 64
+        configs = [(64, 64, 4, 2)] if self.small else [
+            (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 2, 2), (32, 64, 4, 2),
+            (128, 64, 8, 2), (128, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 1)]
+        g = torch.Generator().manual_seed(0)
+        dt = torch.float32 if self.small else torch.bfloat16
+        for w in (144, 360):
+            qkv = torch.randn(rows, w, 3 * heads * hd, generator=g).to(self.dev, dt)
+            start = (torch.randint(0, 40, (rows,), generator=g) * spec.block_size).to(self.dev)
+            nvalid = torch.full((rows,), w, device=self.dev)
+            pos = start[:, None] + torch.arange(w, device=self.dev)
+            angles = pos[:, None, :, None].float() * self.model.code2wav_dit_model.inv_freq
+            cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+            nbytes = qkv.numel() * qkv.element_size() * 4 / 3  # q, k, v read; out written
+            for look in ((0, 0), (1, 0)):
+                allowed = qwen2_5_omni_dit_attention_mask(pos, nvalid[:, None] > 0, spec.block_size,
+                                                          *look)
+                mask = torch.zeros(allowed.shape, device=self.dev, dtype=dt).masked_fill_(
+                    ~allowed, float("-inf"))
+                frames = dat.frame_table(start, nvalid, *look)
+
+                def torch_path(mask=mask, qkv=qkv, w=w, cos=cos, sin=sin):
+                    t = qkv.view(rows, w, 3, heads, hd).permute(2, 0, 3, 1, 4)
+                    qk = torch.cat([_rope_head(t[:2, :, :1], cos, sin), t[:2, :, 1:]], dim=2)
+                    att = F.scaled_dot_product_attention(qk[0], qk[1], t[2], attn_mask=mask)
+                    return att.transpose(1, 2).reshape(rows, w, -1)
+
+                t = qkv.view(rows, w, 3, heads, hd).permute(2, 0, 3, 1, 4)
+                res = {"torch_path_ms": timed(torch_path, 20),
+                       "sdpa_alone_ms": timed(lambda m=mask, t=t: F.scaled_dot_product_attention(
+                           t[0], t[1], t[2], attn_mask=m), 20)}
+                ref = torch_path()
+                for bm, bn, nw, ns in configs:
+                    def run(f=frames, bm=bm, bn=bn, nw=nw, ns=ns, qkv=qkv, cos=cos, sin=sin):
+                        return dat.launch(qkv, cos[:, 0], sin[:, 0], f, heads, spec.block_size,
+                                          bm, bn, nw, ns)
+                    try:
+                        ms = timed(run, 20)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not build
+                        res[f"m{bm}n{bn}w{nw}s{ns}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                        continue
+                    res[f"m{bm}n{bn}w{nw}s{ns}"] = {
+                        "ms": ms, "GBps": round(nbytes / ms / 1e6, 1),
+                        "max_abs_vs_torch": round(float((run() - ref).abs().max()), 4)}
+                out[f"w{w}_lb{look[0]}la{look[1]}"] = res
+        return out
+
     def kernels(self, attention: str | None = None) -> dict:
         """One compiled bf16 ODE run eagerly (no graph) under the profiler: kernels per ODE, GPU
         time by kind, the attention kernels' names; at (bucket 1, 96), (bucket 32, 144) and
@@ -320,7 +378,7 @@ def main() -> None:
     sections.append(("graph_bfloat16_compiled_first1_then12_sdpa",
                      lambda: b.steps("bfloat16", True, "first1_then12", compile=True,
                                      attention="sdpa")))
-    sections += [("kernels_bfloat16_compiled", b.kernels),
+    sections += [("attention_op", b.attention_op), ("kernels_bfloat16_compiled", b.kernels),
                  ("kernels_bfloat16_compiled_sdpa", lambda: b.kernels("sdpa"))]
     for schedule in ("default", "first1_then3"):  # the uncompiled graphs, for comparison
         sections.append((f"graph_bfloat16_{schedule}",

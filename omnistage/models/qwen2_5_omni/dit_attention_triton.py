@@ -28,11 +28,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _rotate_first_head(x, x_pair, c, s, d, head):
-    # interleaved rotary: x'[2i] = x[2i] c_i - x[2i+1] s_i, x'[2i+1] = x[2i+1] c_i + x[2i] s_i
-    sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
-    rotated = x.to(tl.float32) * c + sign * x_pair.to(tl.float32) * s
-    return tl.where(head == 0, rotated.to(x.dtype), x)
+def _rotate(x, cos_ptr, sin_ptr, cs, ok, ROWS: tl.constexpr, HALF: tl.constexpr):
+    # interleaved rotary of x [ROWS, 2 HALF]: (x[2i], x[2i+1]) turned by angle i; cs [ROWS, HALF]
+    # offsets of the angles' cos/sin (contiguous loads; the pairs come from a register split)
+    c = tl.load(cos_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x.to(tl.float32), [ROWS, HALF, 2]))
+    turned = tl.join(even * c - odd * s, odd * c + even * s)
+    return tl.reshape(turned, [ROWS, 2 * HALF]).to(x.dtype)
 
 
 @triton.jit
@@ -48,22 +51,18 @@ def _dit_block_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, frames_ptr, out_ptr, 
     nvalid = tl.load(frames_ptr + b * 4 + 1)
     look_back = tl.load(frames_ptr + b * 4 + 2)
     look_ahead = tl.load(frames_ptr + b * 4 + 3)
+    HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HEAD_DIM)
+    h2 = tl.arange(0, HALF)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < W
     row = qkv_ptr + b.to(tl.int64) * stride_qkv_b
-    q_off = head * HEAD_DIM
-    k_off = (HEADS + head) * HEAD_DIM
-    v_off = (2 * HEADS + head) * HEAD_DIM
     cs_row = b.to(tl.int64) * stride_cs_b
-    # rotary angles of the tile's queries (only head 0 uses them)
-    cs = cs_row + m[:, None] * stride_cs_w + (d // 2)[None, :]
-    q_c = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    q_s = tl.load(sin_ptr + cs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    q_ptrs = row + m[:, None] * stride_qkv_w + q_off
-    q = tl.load(q_ptrs + d[None, :], mask=m_ok[:, None], other=0.0)
-    q_pair = tl.load(q_ptrs + (d ^ 1)[None, :], mask=m_ok[:, None], other=0.0)
-    q = _rotate_first_head(q, q_pair, q_c, q_s, d, head)
+    q = tl.load(row + m[:, None] * stride_qkv_w + head * HEAD_DIM + d[None, :],
+                mask=m_ok[:, None], other=0.0)
+    if head == 0:  # the checkpoint's rotary is on the first head only
+        q = _rotate(q, cos_ptr, sin_ptr, cs_row + m[:, None] * stride_cs_w + h2[None, :],
+                    m_ok[:, None], BLOCK_M, HALF)
 
     q_block = (start + m) // BLOCK_FRAMES
     q_pad = m >= nvalid
@@ -80,13 +79,11 @@ def _dit_block_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, frames_ptr, out_ptr, 
     for j0 in range(lo, hi, BLOCK_N):
         n = j0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        k_ptrs = row + n[:, None] * stride_qkv_w + k_off
-        k = tl.load(k_ptrs + d[None, :], mask=n_ok[:, None], other=0.0)
-        k_pair = tl.load(k_ptrs + (d ^ 1)[None, :], mask=n_ok[:, None], other=0.0)
-        kcs = cs_row + n[:, None] * stride_cs_w + (d // 2)[None, :]
-        k_c = tl.load(cos_ptr + kcs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        k_s = tl.load(sin_ptr + kcs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        k = _rotate_first_head(k, k_pair, k_c, k_s, d, head)
+        kv = row + n[:, None] * stride_qkv_w + d[None, :]
+        k = tl.load(kv + (HEADS + head) * HEAD_DIM, mask=n_ok[:, None], other=0.0)
+        if head == 0:
+            k = _rotate(k, cos_ptr, sin_ptr, cs_row + n[:, None] * stride_cs_w + h2[None, :],
+                        n_ok[:, None], BLOCK_N, HALF)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -101,8 +98,7 @@ def _dit_block_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, frames_ptr, out_ptr, 
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(row + n[:, None] * stride_qkv_w + v_off + d[None, :], mask=n_ok[:, None],
-                    other=0.0)
+        v = tl.load(kv + (2 * HEADS + head) * HEAD_DIM, mask=n_ok[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -132,10 +128,17 @@ def dit_block_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """Block attention of one DiT layer: qkv [B, W, 3 * heads * hd] (the fused q/k/v GEMM's
     output) -> [B, W, heads * hd] in qkv's dtype.
 
-    cos/sin [B, W, hd / 2] (views are fine): the rotary angles of the first
-    head; frames [B, 4] int32 from `frame_table`; block_frames: the DiT's block size. CUDA, or
-    CPU under TRITON_INTERPRET=1. No host sync (CUDA-graph capturable).
+    cos/sin [B, W, hd / 2] (views are fine): the rotary angles of the first head; frames [B, 4]
+    int32 from `frame_table`; block_frames: the DiT's block size. CUDA, or CPU under
+    TRITON_INTERPRET=1. No host sync (CUDA-graph capturable).
     """
+    return launch(qkv, cos, sin, frames, heads, block_frames)
+
+
+def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: torch.Tensor,
+           heads: int, block_frames: int, block_m: int = 64, block_n: int = 64,
+           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """`dit_block_attention` with the kernel's tile sizes exposed (benchmarks tune them)."""
     b, w, three_d = qkv.shape
     head_dim = three_d // (3 * heads)
     if three_d != 3 * heads * head_dim or not supported(head_dim):
@@ -154,13 +157,15 @@ def dit_block_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = qkv.new_empty(b, w, heads * head_dim)
     if out.numel() == 0:
         return out
-    block_m = block_n = 64 if w >= 64 else max(16, triton.next_power_of_2(w))
+    # short windows: tiles no larger than the window (tl.dot needs >= 16)
+    block_m = min(block_m, max(16, triton.next_power_of_2(w)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(w)))
     grid = (triton.cdiv(w, block_m), heads, b)
     _dit_block_attention_kernel[grid](
         qkv, cos, sin, frames.contiguous(), out, w, qkv.stride(0), qkv.stride(1), cos.stride(0),
         cos.stride(1), out.stride(0), out.stride(1), _LOG2E / head_dim ** 0.5, block_frames,
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=qkv.dtype == torch.float32, num_warps=4)
+        IEEE=qkv.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
