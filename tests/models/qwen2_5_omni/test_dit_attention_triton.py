@@ -170,15 +170,16 @@ def test_cuda_gemm_gelu_epilogue_is_tanh(dtype: torch.dtype) -> None:
     """code2wav_fast._dit_layer relies on CUDA's torch._addmm_activation(use_gelu=True) being the
     DiT's tanh GELU (the CPU version is the erf one, so the CPU path does not use it)."""
     g = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(*s, generator=g).to(DEVICE, dtype) for s in ((512, 1024),
-                                                                         (2048, 1024), (2048,)))
+    # pre-activations ~ N(0, 1): where the two GELUs differ
+    x, w, b = (torch.randn(*s, generator=g).to(DEVICE, dtype) / 32 ** 0.5 for s in (
+        (512, 1024), (2048, 1024), (2048,)))
     got = torch._addmm_activation(b, x, w.t(), use_gelu=True).float()
     lin = torch.nn.functional.linear(x.float(), w.float(), b.float())
     tanh = torch.nn.functional.gelu(lin, approximate="tanh")
     erf = torch.nn.functional.gelu(lin)
-    tol = 1e-3 if dtype == torch.float32 else 0.25  # fp32 GEMM (no TF32) / bf16 rounding
+    tol = 1e-4 if dtype == torch.float32 else 0.03  # fp32 GEMM (no TF32) / bf16 rounding
     assert (got - tanh).abs().max() <= tol
-    if dtype == torch.float32:  # bf16 rounding (~1e-2) would hide the GELUs' ~1e-3 gap
-        far = (tanh - erf).abs() > 5e-4  # |x| ~ 2-3, where the two GELUs differ most
-        assert far.sum() > 100
+    if dtype == torch.float32:  # bf16 rounding (~1e-2) would hide the GELUs' <= 5e-4 gap
+        far = (tanh - erf).abs() > 2e-4  # where the two GELUs differ most
+        assert far.sum() > 1000
         assert (got - tanh).abs()[far].max() < 0.2 * (tanh - erf).abs()[far].min()
