@@ -390,8 +390,13 @@ async def main_async(args, res: dict, save) -> None:
         stage.warmup()
         res["code2wav_warmup_s"] = round(time.perf_counter() - t2, 1)
     warm = [int(c) for c in args.warmup.split(",")] if args.warmup else conc
+    # enough codes for chunk 0, a full window (chunk 1) and a short last chunk (its window
+    # pads to the smallest width): the DiT widths the measured rounds use
+    warm_codes = min(args.codes, 12 * (window.first_blocks + window.chunk_blocks
+                                       + window.future_blocks) + 24)
+    res["warmup_codes"] = warm_codes
     for c in warm:  # warm-up: torch.compile, Triton, graph capture per batch size
-        await run_round(llm, c, 8, 48, seed=1000 + c)
+        await run_round(llm, c, 8, warm_codes, seed=1000 + c)
     res["warmup_s"] = round(time.perf_counter() - t2, 1)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -51,11 +51,18 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def window_widths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
-    """The fixed DiT widths (frames): chunk 0's unclipped window, then the full window."""
-    full = (config.past_blocks + max(config.chunk_blocks, config.first_blocks)
-            + config.future_blocks) * block
+    """The fixed DiT widths (frames): chunk 0's unclipped window, the full window, and the
+    windows of a half and a quarter chunk.
+
+    NOTE: an utterance's last chunk holds what is left (1 frame to a whole chunk, no future
+    context): padded to the full window, the last chunk of 12-block chunks often costs a whole
+    360-frame step for a few frames; the half and quarter widths cut that waste.
+    """
+    context = (config.past_blocks + config.future_blocks) * block
     first = (config.first_blocks + config.future_blocks) * block
-    return tuple(sorted({first, full}))
+    chunks = {max(config.chunk_blocks, config.first_blocks), config.chunk_blocks // 2,
+              config.chunk_blocks // 4}
+    return tuple(sorted({first} | {context + n * block for n in chunks if n > 0}))
 
 
 def vocoder_lengths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:

@@ -109,7 +109,12 @@ def test_first_chunk_schedule_spans(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert all(a[1] == b[0] for a, b in zip(frames, frames[1:]))  # contiguous, from 0 to F
     for n, chunks in ((1, 1), (12, 1), (13, 2), (48, 2), (49, 3)):  # short utterances
         assert _stream(t2w, 2, n, SCHEDULE).num_chunks() == chunks
-    assert window_widths(SCHEDULE, 24) == (48, 144)
+    assert window_widths(SCHEDULE, 24) == (48, 96, 144)  # first, 1 (a quarter+) and 3 blocks
+    # 12-block chunks: a last chunk of 8 frames (a 56-frame window) pads to 144, not 360
+    twelve = Config(chunk_blocks=12, first_chunk_blocks=1)
+    assert window_widths(twelve, 24) == (48, 144, 216, 360)
+    assert Qwen2_5OmniCode2WavDecoder(t2w).plan([56, 360], twelve) == [([0, 1], 2, 360)]
+    assert Qwen2_5OmniCode2WavDecoder(t2w).plan([56], twelve) == [([0], 1, 144)]
     assert vocoder_lengths(SCHEDULE, 24) == (44, 112)
     assert window_widths(Config(), 24) == (48, 96) and vocoder_lengths(Config(), 24) == (44, 64)
 
@@ -144,7 +149,7 @@ def test_whole_window_schedule_equals_one_shot(t2w: Qwen2_5OmniToken2Wav,
     codes, cond, ref_mel = _request(1, N_CODES)
     stream = Qwen2_5OmniCode2WavStream(t2w, cond, ref_mel, SEED, config)
     stream.add_codes(codes, finished=True)
-    assert window_widths(config, 24) == (216, 456)  # windows of 80 frames padded to 216
+    assert window_widths(config, 24) == (216, 408, 456)  # windows of 80 frames padded to 216
     chunks = dec.decode([(stream, k) for k in range(stream.num_chunks())])
     assert [c.frames for c in chunks] == [(0, 24), (24, 80)]
     mel, wav = torch.cat([c.mel for c in chunks], 1), torch.cat([c.waveform for c in chunks])
