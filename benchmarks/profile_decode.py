@@ -235,10 +235,10 @@ def run_thinker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
 def run_talker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
     try:
         talker = build(Qwen2_5OmniTalkerForCausalLM, cfg["talker_config"], dev, dtype)
-        eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=8,
-                                            num_kv_blocks=512), dev, dtype)
+        eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=32,
+                                            num_kv_blocks=2048), dev, dtype)
         section(res, "talker", eng, lambda B, tag: talker_seqs(talker, 60, n, B, tag, dev, dtype),
-                (1, 8), args.steps, dev)
+                (1, 8, 32), args.steps, dev)
     except Exception as e:  # noqa: BLE001
         res["talker_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc(file=sys.stderr)

@@ -157,6 +157,7 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: floa
     t_submit = time.perf_counter()
     first_text = first_audio = None
     samples = chunks = 0
+    chunk_at: list[float] = []  # when each audio chunk reached the client (s after submit)
     out = None
     async for out in llm.generate({"prompt_token_ids": ids}, sampling_params=sp):
         now = time.perf_counter() - t_submit
@@ -166,11 +167,13 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: floa
             first_audio = now if first_audio is None else first_audio
             samples += len(out.audio)
             chunks += 1
+            chunk_at.append(now)
     if out.error:
         raise RuntimeError(f"request failed: {out.error}")
     m = out.metrics
     return {"ttft": m.ttft, "ttfa": m.ttfa, "e2e": m.e2e, "audio_s": samples / SR,
-            "chunks": chunks, "client_ttft": first_text, "client_ttfa": first_audio,
+            "chunks": chunks, "chunk_at": chunk_at, "client_ttft": first_text,
+            "client_ttfa": first_audio,
             "client_e2e": time.perf_counter() - t_submit,
             "text_tokens": len(out.token_ids), "codes": m.tokens_per_stage.get("talker")}
 
@@ -222,6 +225,11 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     res["per_request_text_tokens"] = rows[0]["text_tokens"]
     res["per_request_codes"] = rows[0]["codes"]
     res["audio_chunks_per_request"] = rows[0]["chunks"]
+    # the pacing of the audio: chunk k's arrival (median over the requests that got k chunks)
+    most = max(len(r["chunk_at"]) for r in rows)
+    res["chunk_arrival_s_p50"] = [
+        round(statistics.median(r["chunk_at"][k] for r in rows if len(r["chunk_at"]) > k), 3)
+        for k in range(most)]
     res["stage_busy_s"] = busy
     res["stage_steps"] = steps
     res["stage_ms_per_step"] = busy_ms
