@@ -178,6 +178,35 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: floa
             "text_tokens": len(out.token_ids), "codes": m.tokens_per_stage.get("talker")}
 
 
+C2W_TRACE: list[tuple[float, float, float, int]] = []  # code2wav steps, see trace_code2wav
+
+
+def trace_code2wav(llm: AsyncOmniLLM) -> None:
+    """Record each code2wav step (in this process) as (launch start, launch end, collect
+    start, rows) perf_counter times: where its time goes between the GPU and the host."""
+    stage = llm.pipeline.workers.get("code2wav")
+    if stage is None or not hasattr(stage, "launch"):
+        return
+    launch, collect = stage.launch, stage.collect
+    started: dict[int, tuple[float, float, int]] = {}
+
+    def traced_launch():
+        t = time.perf_counter()
+        out = launch()
+        if out is not None and out.state is not None:
+            started[id(out)] = (t, time.perf_counter(), len(out.state[0]))
+        return out
+
+    def traced_collect(launched):
+        t = time.perf_counter()
+        begun = started.pop(id(launched), None)
+        if begun is not None and len(C2W_TRACE) < 100_000:
+            C2W_TRACE.append((begun[0], begun[1], t, begun[2]))
+        return collect(launched)
+
+    stage.launch, stage.collect = traced_launch, traced_collect
+
+
 def stage_stats(llm: AsyncOmniLLM) -> dict:
     s = llm.runtime.stats()
     return {"busy": {k: v.get("busy_seconds", 0.0) for k, v in s.items()},
@@ -192,6 +221,7 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     sp = stage_params(text_tokens, codes)
     ids = prompts(c, 63, seed)
     before = stage_stats(llm)
+    n_trace = len(C2W_TRACE)
     t0 = time.perf_counter()
     try:
         rows = await asyncio.wait_for(
@@ -236,6 +266,9 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     res["loop_busy_fraction"] = round(sum(busy.values()) / wall, 3)
     res["code2wav_batch_mean"] = round(c2w_chunks / max(1, steps.get("code2wav", 1)), 2)
     res["code2wav_alone_steps"] = after["c2w_alone"] - before["c2w_alone"]
+    # [launch at (s), launch host ms, collected at (s), rows] per code2wav step of the round
+    res["code2wav_steps"] = [[round(a - t0, 3), round(1e3 * (b - a), 1), round(c - t0, 3), n]
+                             for a, b, c, n in C2W_TRACE[n_trace:]]
     return res
 
 
@@ -388,6 +421,7 @@ async def main_async(args, res: dict, save) -> None:
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
                        code2wav_window=window)
     res["load_s"] = round(time.perf_counter() - t1, 1)
+    trace_code2wav(llm)
     if dev.type == "cuda":
         res["mem_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         res["kv_blocks"] = {n: e.runner.num_blocks for n, e in llm.pipeline.engines.items()}
