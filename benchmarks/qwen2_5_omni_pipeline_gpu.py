@@ -178,30 +178,47 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: floa
             "text_tokens": len(out.token_ids), "codes": m.tokens_per_stage.get("talker")}
 
 
-C2W_TRACE: list[tuple[float, float, float, int]] = []  # code2wav steps, see trace_code2wav
+C2W_TRACE: list[tuple] = []  # code2wav steps, see trace_code2wav
+C2W_PHASES = ("fill_dit_inputs", "sample_windows", "vocode")  # decoder methods timed per launch
 
 
 def trace_code2wav(llm: AsyncOmniLLM) -> None:
     """Record each code2wav step (in this process) as (launch start, launch end, collect
-    start, rows) perf_counter times: where its time goes between the GPU and the host."""
+    start, rows, host ms in each of C2W_PHASES) perf_counter times: where its time goes
+    between the GPU and the host."""
     stage = llm.pipeline.workers.get("code2wav")
-    if stage is None or not hasattr(stage, "launch"):
+    if stage is None or not hasattr(stage, "launch") or stage.stream_config is None:
         return
-    launch, collect = stage.launch, stage.collect
-    started: dict[int, tuple[float, float, int]] = {}
+    launch, collect, decoder = stage.launch, stage.collect, stage.decoder
+    started: dict[int, tuple] = {}
+    phase_ms = dict.fromkeys(C2W_PHASES, 0.0)
+
+    def timed_phase(name: str, fn):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phase_ms[name] += 1e3 * (time.perf_counter() - t)
+        return run
+
+    for name in C2W_PHASES:
+        setattr(decoder, name, timed_phase(name, getattr(decoder, name)))
 
     def traced_launch():
         t = time.perf_counter()
+        phase_ms.update(dict.fromkeys(C2W_PHASES, 0.0))
         out = launch()
         if out is not None and out.state is not None:
-            started[id(out)] = (t, time.perf_counter(), len(out.state[0]))
+            started[id(out)] = (t, time.perf_counter(), len(out.state[0]),
+                                [round(phase_ms[n], 1) for n in C2W_PHASES])
         return out
 
     def traced_collect(launched):
         t = time.perf_counter()
         begun = started.pop(id(launched), None)
         if begun is not None and len(C2W_TRACE) < 100_000:
-            C2W_TRACE.append((begun[0], begun[1], t, begun[2]))
+            C2W_TRACE.append((begun[0], begun[1], t, begun[2], begun[3]))
         return collect(launched)
 
     stage.launch, stage.collect = traced_launch, traced_collect
@@ -266,9 +283,10 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     res["loop_busy_fraction"] = round(sum(busy.values()) / wall, 3)
     res["code2wav_batch_mean"] = round(c2w_chunks / max(1, steps.get("code2wav", 1)), 2)
     res["code2wav_alone_steps"] = after["c2w_alone"] - before["c2w_alone"]
-    # [launch at (s), launch host ms, collected at (s), rows] per code2wav step of the round
-    res["code2wav_steps"] = [[round(a - t0, 3), round(1e3 * (b - a), 1), round(c - t0, 3), n]
-                             for a, b, c, n in C2W_TRACE[n_trace:]]
+    # [launch at (s), launch host ms, collected at (s), rows, [host ms of C2W_PHASES]] per
+    # code2wav step of the round
+    res["code2wav_steps"] = [[round(a - t0, 3), round(1e3 * (b - a), 1), round(c - t0, 3), n, ph]
+                             for a, b, c, n, ph in C2W_TRACE[n_trace:]]
     return res
 
 
