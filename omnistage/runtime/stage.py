@@ -15,6 +15,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,8 +56,13 @@ class LaunchedStep:
     # the GPU runs this step alone: the orchestrator launches no other stage's step until it
     # is collected (a latency-critical step that contention with the others would slow down)
     exclusive: bool = False
+    # the launch still queueing on a thread of the stage's own (whose result collect reads);
+    # end is recorded by that thread once the work is queued
+    pending: Future | None = None
 
     def done(self) -> bool:
+        if self.pending is not None and not self.pending.done():
+            return False
         return self.end is None or self.end.query()
 
     def busy_seconds(self) -> float:
@@ -64,6 +70,8 @@ class LaunchedStep:
         time."""
         if self.end is None:
             return self.wall_seconds
+        if self.pending is not None:
+            self.pending.result()  # end is recorded once the thread has queued the work
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1e3
 

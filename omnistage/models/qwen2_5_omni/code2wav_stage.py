@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,20 @@ def first_chunks_alone(device: torch.device) -> bool:
     itself (the AR stages wait for it: it is those requests' time to first audio, and beside
     the AR decodes it ran slower: H100, 8 requests at once, TTFA 0.35 s alone vs 0.45 s)."""
     env = os.environ.get("OMNISTAGE_FIRST_CHUNK_ALONE", "")
+    return env == "1" or (env != "0" and device.type == "cuda")
+
+
+def launch_on_thread(device: torch.device) -> bool:
+    """OMNISTAGE_CODE2WAV_THREAD ("1" on, "0" off; unset: on for CUDA): a streaming step queues
+    its GPU work from a thread of the stage's own, so the orchestrator goes on launching the AR
+    stages meanwhile.
+
+    NOTE: why: launching the DiT's CUDA graph at batch 32 (~9000 kernels, 12-block chunks)
+    blocks the calling thread until most of it has run (H100: cudaGraphLaunch returned after
+    583 of ~690 ms; at batch 1, after 0.13 ms). Called from the orchestrator, that stalled the
+    talker for ~0.6 s per chunk step, and code2wav then waited ~0.33 s per step for its codes.
+    The replay releases the GIL, so the orchestrator thread runs while this one waits."""
+    env = os.environ.get("OMNISTAGE_CODE2WAV_THREAD", "")
     return env == "1" or (env != "0" and device.type == "cuda")
 
 
@@ -68,6 +84,9 @@ class Qwen2_5OmniCode2WavStage:
         # request's time to first audio (later chunks have the audio already out as slack)
         self.gpu_first = StageStream(device, priority=-1)
         self.first_alone = first_chunks_alone(device)
+        # one worker: the orchestrator never launches this stage again before collecting it
+        self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
+                         if launch_on_thread(device) else None)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
                                 "compile": compile}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
@@ -152,20 +171,39 @@ class Qwen2_5OmniCode2WavStage:
             if self.stream_config is None:
                 return LaunchedStep(None, events + self._whole_step(ready), start, gpu.event(),
                                     time.perf_counter() - t0)
-            chunks = self.decoder.decode([(r.stream, r.next_chunk) for _, r in ready])
+            jobs = [(r.stream, r.next_chunk) for _, r in ready]
+            if self.launcher is None:
+                state = (ready, self._queue_decode(jobs))
+                return gpu.launched(state, start, t0, events, exclusive=alone)
+        # (the stream already waits for the default stream's work queued before this launch)
+        end = torch.cuda.Event(enable_timing=True) if gpu.stream is not None else None
+        pending = self.launcher.submit(self._queue_decode, jobs, gpu, end)
+        return LaunchedStep((ready, None), events, start, end, time.perf_counter() - t0,
+                            exclusive=alone, pending=pending)
+
+    def _queue_decode(self, jobs: list[tuple[Qwen2_5OmniCode2WavStream, int]],
+                      gpu: StageStream | None = None, end: torch.cuda.Event | None = None
+                      ) -> tuple[list[int], torch.Tensor]:
+        """Queue the chunks' decode and their copy to the host: (samples per chunk, the host
+        buffer collect reads once the GPU is done). On the launcher thread: gpu's stream is
+        made current there, and end is recorded on it after the work."""
+        with gpu.active(launch=False) if gpu is not None else nullcontext():
+            chunks = self.decoder.decode(jobs)
             wav = torch.cat([c.waveform.float() for c in chunks])
             # one copy into pinned memory: collect() reads it once the stream gets there
             host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
             host.copy_(wav, non_blocking=True)
-            state = (ready, [c.waveform.shape[0] for c in chunks], host)
-            return gpu.launched(state, start, t0, events, exclusive=alone)
+            if end is not None:
+                end.record()
+        return [c.waveform.shape[0] for c in chunks], host
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
         """The launched step's events (its chunks' audio once the GPU is done)."""
         events = list(launched.events)
         if launched.state is None:  # finished at launch (one-shot, empty utterances)
             return events
-        ready, lengths, host = launched.state
+        ready, queued = launched.state
+        lengths, host = launched.pending.result() if launched.pending is not None else queued
         if launched.end is not None:
             launched.end.synchronize()
         off = 0

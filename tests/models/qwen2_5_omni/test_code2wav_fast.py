@@ -5,6 +5,9 @@ functions compiled by inductor (on the CPU) against eager."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -195,8 +198,12 @@ def test_host_logic(t2w: Qwen2_5OmniToken2Wav) -> None:
                        Qwen2_5OmniToken2Wav.initial_noise(101, 140))
 
 
-def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav) -> None:
+@pytest.mark.parametrize("thread", ["0", "1"], ids=["inline", "launcher_thread"])
+def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav, thread: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_THREAD", thread)  # its default: on for CUDA only
     stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+    assert (stage.launcher is not None) == (thread == "1")
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
     stage.add_codes("a", codes[:30], finished=False)
@@ -212,6 +219,38 @@ def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav) -> None:
         [(_stream(t2w, 1, 70, SCHEDULE), k) for k in range(3)])
     for a, c in zip(audio, ref, strict=True):
         assert abs(torch.from_numpy(a) - c.waveform).max() <= 1e-6
+
+
+def test_launch_returns_while_the_decode_is_queued(t2w: Qwen2_5OmniToken2Wav,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the launcher thread, a launch whose decode blocks (a CUDA graph launch at batch 32
+    does) returns at once; the step is done, and collect has its audio, once the decode is."""
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_THREAD", "1")
+    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+    codes, cond, ref_mel = _request(1, 70)
+    stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
+    stage.add_codes("a", codes, finished=True)
+    release = threading.Event()
+    decode = stage.decoder.decode
+
+    def blocked_decode(jobs):
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(10)
+        return decode(jobs)
+
+    monkeypatch.setattr(stage.decoder, "decode", blocked_decode)
+    t = time.perf_counter()
+    launched = stage.launch()
+    assert time.perf_counter() - t < 5 and launched.pending is not None
+    assert not launched.done() and not launched.pending.done()
+    release.set()
+    launched.pending.result(10)
+    assert launched.done()
+    events = stage.collect(launched)
+    ref = Qwen2_5OmniCode2WavDecoder(t2w).decode([(_stream(t2w, 1, 70, SCHEDULE), 0)])
+    assert len(events) == 1 and events[0].request_id == "a" and not events[0].finished
+    assert abs(torch.from_numpy(events[0].audio) - ref[0].waveform).max() <= 1e-6
+    assert launched.busy_seconds() >= 0 and stage.requests["a"].next_chunk == 1
 
 
 def test_compiled_steps_equal_eager(t2w: Qwen2_5OmniToken2Wav) -> None:
