@@ -51,7 +51,8 @@ ROUND_MODES = {"serial": ("serial", "_serial_steps"),
                "first_shared": ("first_shared", "_first_chunk_shared"),
                "ar_streams_shared": ("ar_shared", "_ar_stream_shared"),
                "ar_streams_flat": ("ar_flat", "_ar_streams_one_priority"),
-               "eager_prefill": ("eager_prefill", "_eager_prefill")}
+               "eager_prefill": ("eager_prefill", "_eager_prefill"),
+               "code2wav_inline": ("c2w_inline", "_code2wav_inline_launch")}
 MODE_SUFFIX = dict(ROUND_MODES.values())
 TARGETS = {"ttfa_s_c1": 0.25, "rtf_c1": 0.10, "audio_s_per_s_c32": 65.0}
 
@@ -510,6 +511,9 @@ async def main_async(args, res: dict, save) -> None:
         ar_streams = [w.gpu for w in ar_workers]
         prefill_graphs = [w.engine.runner.prefill_graphs for w in ar_workers]
         pg_runs = [pg.num_runs if pg is not None else 0 for pg in prefill_graphs]
+        launcher = getattr(stage, "launcher", None)
+        if mode == "c2w_inline" and stage is not None:  # read at each launch
+            stage.launcher = None
         if mode == "eager_prefill":  # read at each launch
             for w in ar_workers:
                 w.engine.runner.prefill_graphs = None
@@ -532,6 +536,7 @@ async def main_async(args, res: dict, save) -> None:
             if stage is not None:
                 stage.stream_config = window
                 stage.first_alone = first_alone
+                stage.launcher = launcher
             for w, gpu, pg in zip(ar_workers, ar_streams, prefill_graphs):
                 w.gpu, w.engine.runner.prefill_graphs = gpu, pg
         if isinstance(res["runs"].get(name), dict):  # one-sequence prefills run as graphs
@@ -579,6 +584,9 @@ def main() -> None:
     ap.add_argument("--eager-prefill", default="",
                     help="concurrencies also run with the AR stages' prefills eager (no prefill "
                          "CUDA graphs, as OMNISTAGE_PREFILL_GRAPHS=0)")
+    ap.add_argument("--code2wav-inline", default="",
+                    help="concurrencies also run with code2wav's launches on the orchestrator "
+                         "thread (no launcher thread)")
     ap.add_argument("--staggered-modes", default="",
                     help="staggered rounds at --staggered-c, one per listed code2wav policy "
                          f"({', '.join(STAGGERED_MODES)}), in this order")
