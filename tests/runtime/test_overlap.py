@@ -129,10 +129,13 @@ def test_first_chunk_steps_run_alone(tiny_omni_dir, monkeypatch):
 
     def c2w_launch(self):
         chunks = {rid: r.next_chunk for rid, r in self.requests.items()}
+        ready = {rid: self._ready(r) for rid, r in self.requests.items()}
         launched = real_c2w(self)
         if launched is not None and launched.state is not None:
             mine = [rid for rid, _ in launched.state[0]]
-            others_wait = any(n == 0 and rid not in mine for rid, n in chunks.items())
+            # another request waited for its first audio, and for codes (the AR stages)
+            others_wait = any(n == 0 and rid not in mine and not ready[rid]
+                              for rid, n in chunks.items())
             steps.append((launched.exclusive, [chunks[rid] for rid in mine], others_wait))
             if launched.exclusive:
                 launched.start, launched.end = SlowEnd(), SlowEnd()
@@ -142,7 +145,7 @@ def test_first_chunk_steps_run_alone(tiny_omni_dir, monkeypatch):
     monkeypatch.setattr(Qwen2_5OmniCode2WavStage, "launch", c2w_launch)
     overlapped, _, _ = _run(tiny_omni_dir, monkeypatch, "1")
     assert launches and not any(held for _, held in launches)
-    # alone: only first chunks, and no other request was still waiting for its first audio
+    # alone: only first chunks, and no other request still waited for codes for its first audio
     alone = [(chunks, wait) for exclusive, chunks, wait in steps if exclusive]
     assert alone and all(set(chunks) == {0} and not wait for chunks, wait in alone)
     # a step with first chunks while another request waited: shared, as before
@@ -175,4 +178,15 @@ def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monke
     assert [e.request_id for e in events] == ["b"] and len(events[0].audio) > 0
     launched = stage.launch()
     assert not launched.exclusive and sorted(rid for rid, _ in launched.state[0]) == ["a", "b"]
+    stage.collect(launched)
+    # more first chunks ready than a step holds: each step of them alone, as none waits for codes
+    import omnistage.models.qwen2_5_omni.code2wav_stage as c2w
+    monkeypatch.setattr(c2w, "MAX_BATCH", 1)
+    for rid in ("c", "d"):
+        stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
+        stage.add_codes(rid, [9] * 120, finished=False)
+    for rid in ("c", "d"):
+        launched = stage.launch()
+        assert launched.exclusive and [r for r, _ in launched.state[0]] == [rid]
+        stage.collect(launched)
 
