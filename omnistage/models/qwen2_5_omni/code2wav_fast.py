@@ -20,16 +20,28 @@ norms, modulation, rotary, activations and residuals fuse around the GEMMs and a
 
 from __future__ import annotations
 
+import functools
 import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from . import dit_attention_triton
 from .token2wav_dit import Qwen2_5OmniToken2WavDiT, qwen2_5_omni_dit_attention_mask
 
 DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}
 ATTENTIONS = ("block", "sdpa")  # the Triton block kernel; torch SDPA over a dense [W, W] mask
+
+
+@functools.cache
+def _block_kernels() -> ModuleType | None:
+    """dit_attention_triton (registers torch.ops.omnistage.dit_block_attention), or None where
+    triton is missing (CPU-only installs: SDPA only)."""
+    try:
+        from . import dit_attention_triton
+    except ImportError:
+        return None
+    return dit_attention_triton
 
 
 def ode_times(num_steps: int, sway_coefficient: float | None) -> tuple[list[float], list[float]]:
@@ -72,15 +84,18 @@ class Qwen2_5OmniFastDiT:
         self.times, self.widths = ode_times(int(num_steps), sway_coefficient)
         p = next(dit.parameters())
         self.device, mdt = p.device, p.dtype
+        kernels = _block_kernels() if attention != "sdpa" else None
+        usable = kernels is not None and kernels.supported(spec.head_dim)
         if attention is None:
-            attention = ("block" if p.is_cuda and dit_attention_triton.supported(spec.head_dim)
+            attention = ("block" if p.is_cuda and usable
                          and os.environ.get("OMNISTAGE_DIT_ATTENTION", "block") != "sdpa"
                          else "sdpa")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
-        if attention == "block" and not dit_attention_triton.supported(spec.head_dim):
-            raise ValueError(f"attention: 'block' needs a head_dim that is a power of two >= 16, "
-                             f"got {spec.head_dim}")
+        if attention == "block" and not usable:
+            raise ValueError(f"attention: 'block' needs triton and a head_dim that is a power of "
+                             f"two >= 16 (head_dim {spec.head_dim}, triton "
+                             f"{'found' if kernels is not None else 'missing'})")
         self.attention = attention
         # the block kernel's block size; 0 selects SDPA in _dit_layer
         self.block_frames = spec.block_size if attention == "block" else 0
@@ -148,8 +163,8 @@ class Qwen2_5OmniFastDiT:
             if key in masks:
                 continue
             if self.block_frames:
-                masks[key] = dit_attention_triton.frame_table(start.repeat(rows),
-                                                              nvalid.repeat(rows), *key)
+                masks[key] = _block_kernels().frame_table(start.repeat(rows), nvalid.repeat(rows),
+                                                          *key)
             else:
                 allowed = qwen2_5_omni_dit_attention_mask(pos2, valid2, self.spec.block_size, *key)
                 # rows padded to 16 elements: the fused attention kernels want aligned strides
@@ -240,8 +255,9 @@ def _dit_layer(h: torch.Tensor, n: torch.Tensor, mod: torch.Tensor, next_shift: 
     gate, shift2, scale2, gate2 = mod[2], mod[3], mod[4], mod[5]
     qkv = F.linear(n, wqkv, bqkv)
     if block_frames:
-        att = dit_attention_triton.dit_block_attention(qkv, cos[:, 0], sin[:, 0], mask, heads,
-                                                       block_frames)
+        # (registered by dit_attention_triton, imported when the block kernel was chosen)
+        att = torch.ops.omnistage.dit_block_attention(qkv, cos[:, 0], sin[:, 0], mask, heads,
+                                                      block_frames)
     else:
         qkv = qkv.view(b, w, 3, heads, -1).permute(2, 0, 3, 1, 4)
         # rotary on q's and k's first head only, output in (evens, odds) order (as the module

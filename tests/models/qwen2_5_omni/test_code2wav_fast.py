@@ -306,3 +306,15 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 def test_bad_options_raise(t2w: Qwen2_5OmniToken2Wav, field: str, make) -> None:
     with pytest.raises(ValueError, match=field):
         make(t2w)
+
+
+def test_fast_dit_without_triton(t2w: Qwen2_5OmniToken2Wav,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only install has no triton: the DiT's attention is SDPA, and asking for the block
+    kernel fails with an error naming the field."""
+    from omnistage.models.qwen2_5_omni import code2wav_fast
+    monkeypatch.setattr(code2wav_fast, "_block_kernels", lambda: None)
+    dit = t2w.code2wav_dit_model
+    assert code2wav_fast.Qwen2_5OmniFastDiT(dit).attention == "sdpa"
+    with pytest.raises(ValueError, match="attention: 'block' needs triton"):
+        code2wav_fast.Qwen2_5OmniFastDiT(dit, attention="block")
