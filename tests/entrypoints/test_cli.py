@@ -16,7 +16,14 @@ from omnistage.entrypoints.cli import main
 
 def test_demo_writes_reply_wav(tmp_path):
     out = tmp_path / "reply.wav"
-    env = {**os.environ, "OMNISTAGE_CACHE_DIR": str(tmp_path / "cache")}
+    # the README's demo install has no triton (the CPU torch wheel does not pull it): a package
+    # first on the path that fails to import stands in for it
+    (tmp_path / "no_triton" / "triton").mkdir(parents=True)
+    (tmp_path / "no_triton" / "triton" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'triton'\", name='triton')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path / "no_triton"), os.environ.get("PYTHONPATH"))
+                           if p)
+    env = {**os.environ, "OMNISTAGE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": path}
     p = subprocess.run([sys.executable, "-m", "omnistage.entrypoints.cli", "demo", "--output",
                         str(out)], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
