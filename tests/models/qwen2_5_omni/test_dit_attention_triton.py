@@ -123,6 +123,17 @@ def test_validation() -> None:
         Qwen2_5OmniFastDiT(tiny_token2wav_pair()[1].code2wav_dit_model, attention="flash")
 
 
+def _ode_inputs(spec: Qwen2_5OmniDiTSpec, width: int, starts: list[int], nvalids: list[int],
+                seed: int) -> tuple[torch.Tensor, ...]:
+    """Random (noise, codes, spk, cond, start, nvalid) for Qwen2_5OmniFastDiT.sample."""
+    g, r = torch.Generator().manual_seed(seed), len(starts)
+    return (torch.randn(r, width, spec.mel_dim, generator=g).to(DEVICE),
+            torch.randint(0, spec.num_embeds, (r, width // spec.repeats), generator=g).to(DEVICE),
+            torch.randn(r, 2, spec.enc_dim, generator=g).to(DEVICE),
+            torch.randn(r, spec.enc_emb_dim, generator=g).to(DEVICE),
+            torch.tensor(starts, device=DEVICE), torch.tensor(nvalids, device=DEVICE))
+
+
 def test_fast_dit_block_equals_sdpa() -> None:
     """A whole ODE (CFG rows, padded windows) with the kernel vs with SDPA; 3 grid points (8
     evaluations, not 36: the interpreter is slow)."""
@@ -130,17 +141,10 @@ def test_fast_dit_block_equals_sdpa() -> None:
     block = Qwen2_5OmniFastDiT(dit, num_steps=3, attention="block")
     sdpa = Qwen2_5OmniFastDiT(dit, num_steps=3, attention="sdpa")
     assert block.attention == "block" and block.block_frames == BLOCK and sdpa.block_frames == 0
-    g = torch.Generator().manual_seed(3)
-    r, w, spec = 3, 96, dit.spec
-    noise = torch.randn(r, w, spec.mel_dim, generator=g).to(DEVICE)
-    codes = torch.randint(0, spec.num_embeds, (r, w // spec.repeats), generator=g).to(DEVICE)
-    spk = torch.randn(r, 2, spec.enc_dim, generator=g).to(DEVICE)
-    cond = torch.randn(r, spec.enc_emb_dim, generator=g).to(DEVICE)
-    start = torch.tensor([0, 24, 48], device=DEVICE)
-    nvalid = torch.tensor([96, 72, 40], device=DEVICE)
+    inputs = _ode_inputs(dit.spec, 96, [0, 24, 48], [96, 72, 40], seed=3)
     with torch.inference_mode():
-        ref = sdpa.sample(noise, codes, spk, cond, start, nvalid)
-        got = block.sample(noise, codes, spk, cond, start, nvalid)
+        ref = sdpa.sample(*inputs)
+        got = block.sample(*inputs)
     assert ref.abs().max() > 0.1 and not got[2, 40:].any()  # padding frames stay zero
     assert (got - ref).abs().max() <= 1e-4, float((got - ref).abs().max())
 
@@ -190,15 +194,9 @@ def test_fast_dit_block_compiled_equals_eager() -> None:
     path): the same ODE as eager (CPU inductor here; 2 grid points, 4 evaluations)."""
     dit = tiny_token2wav_pair()[1].code2wav_dit_model.to(DEVICE)
     block = Qwen2_5OmniFastDiT(dit, num_steps=2, attention="block")
-    g = torch.Generator().manual_seed(5)
-    r, w, spec = 2, 48, dit.spec
-    noise = torch.randn(r, w, spec.mel_dim, generator=g).to(DEVICE)
-    codes = torch.randint(0, spec.num_embeds, (r, w // spec.repeats), generator=g).to(DEVICE)
-    spk = torch.randn(r, 2, spec.enc_dim, generator=g).to(DEVICE)
-    cond = torch.randn(r, spec.enc_emb_dim, generator=g).to(DEVICE)
-    start, nvalid = torch.tensor([0, 24], device=DEVICE), torch.tensor([48, 30], device=DEVICE)
+    inputs = _ode_inputs(dit.spec, 48, [0, 24], [48, 30], seed=5)
     with torch.inference_mode():
-        eager = block.sample(noise, codes, spk, cond, start, nvalid)
-        compiled = block.sample(noise, codes, spk, cond, start, nvalid, compiled=True)
+        eager = block.sample(*inputs)
+        compiled = block.sample(*inputs, compiled=True)
     assert eager.abs().max() > 0.1 and not compiled[1, 30:].any()
     assert (compiled - eager).abs().max() <= 1e-5, float((compiled - eager).abs().max())
