@@ -280,13 +280,13 @@ class Bench:
                     ~allowed, float("-inf"))
                 frames = dat.frame_table(start, nvalid, *look)
 
-                def torch_path(mask=mask, qkv=qkv, w=w, cos=cos, sin=sin):
-                    t = qkv.view(rows, w, 3, heads, hd).permute(2, 0, 3, 1, 4)
+                t = qkv.view(rows, w, 3, heads, hd).permute(2, 0, 3, 1, 4)  # q, k, v views
+
+                def torch_path(mask=mask, t=t, w=w, cos=cos, sin=sin):
                     qk = torch.cat([_rope_head(t[:2, :, :1], cos, sin), t[:2, :, 1:]], dim=2)
                     att = F.scaled_dot_product_attention(qk[0], qk[1], t[2], attn_mask=mask)
                     return att.transpose(1, 2).reshape(rows, w, -1)
 
-                t = qkv.view(rows, w, 3, heads, hd).permute(2, 0, 3, 1, 4)
                 res = {"torch_path_ms": timed(torch_path, 20),
                        "sdpa_alone_ms": timed(lambda m=mask, t=t: F.scaled_dot_product_attention(
                            t[0], t[1], t[2], attn_mask=m), 20)}

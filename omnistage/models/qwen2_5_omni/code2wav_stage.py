@@ -30,13 +30,18 @@ register_model("Qwen2_5OmniToken2Wav")(Qwen2_5OmniToken2Wav)
 MAX_BATCH = 32  # the decoder's largest graph bucket: one graph per step
 
 
+def _switch(env_name: str, device: torch.device) -> bool:
+    """An on/off environment switch: "1" on, "0" off, unset (or anything else): on for CUDA."""
+    env = os.environ.get(env_name, "")
+    return env == "1" or (env != "0" and device.type == "cuda")
+
+
 def first_chunks_alone(device: torch.device) -> bool:
     """OMNISTAGE_FIRST_CHUNK_ALONE ("1" on, "0" off; unset: on for CUDA): a step with the first
     chunks of every request still waiting for audio holds those only and runs with the GPU to
     itself (the AR stages wait for it: it is those requests' time to first audio, and beside
     the AR decodes it ran slower: H100, 8 requests at once, TTFA 0.35 s alone vs 0.45 s)."""
-    env = os.environ.get("OMNISTAGE_FIRST_CHUNK_ALONE", "")
-    return env == "1" or (env != "0" and device.type == "cuda")
+    return _switch("OMNISTAGE_FIRST_CHUNK_ALONE", device)
 
 
 def launch_on_thread(device: torch.device) -> bool:
@@ -49,8 +54,7 @@ def launch_on_thread(device: torch.device) -> bool:
     583 of ~690 ms; at batch 1, after 0.13 ms). Called from the orchestrator, that stalled the
     talker for ~0.6 s per chunk step, and code2wav then waited ~0.33 s per step for its codes.
     The replay releases the GIL: with this thread the loop's launch takes 0.1-0.4 ms."""
-    env = os.environ.get("OMNISTAGE_CODE2WAV_THREAD", "")
-    return env == "1" or (env != "0" and device.type == "cuda")
+    return _switch("OMNISTAGE_CODE2WAV_THREAD", device)
 
 
 @dataclass
