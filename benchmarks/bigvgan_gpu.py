@@ -8,7 +8,8 @@ Sections (one JSON; each fails alone):
   vocoder    BigVGAN forward at batch 1, 8, 32 x 168 mel frames: ms eager and in a CUDA graph
              (the whole forward captured, as code2wav_graphs.voc_graph does) for the torch path
              and each fused variant, speedups, waveform max abs diff vs the torch path
-  precision  batch 8, fused activation: convs in strict fp32 / TF32 / bf16 autocast: graph ms
+  precision  batch 8 (and 32), fused activation: convs in strict fp32 / TF32 / bf16 or fp16
+             autocast, or the whole module in fp16 / bf16 (`*_module`): graph ms
              and waveform error vs the strict-fp32 torch path (also the kernel's own exactness)
   profile    GPU time by kernel kind of one eager forward at the largest batch, both paths
 Run from the repo root:
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.machinery
 import json
 import os
@@ -85,13 +87,15 @@ def activation_path(path: str):
 
 @contextlib.contextmanager
 def conv_precision(mode: str):
-    """strict fp32 / tf32 (cuDNN TF32 convs) / bf16 (autocast: convs in bf16)."""
+    """strict fp32 / tf32 (cuDNN TF32 convs) / bf16, fp16 (autocast: convs in that dtype)."""
     old = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
     try:
         # no autocast weight cache: a CUDA graph must capture the casts, not reuse warm-up copies
-        with torch.autocast(dev, torch.bfloat16, enabled=mode == "bf16", cache_enabled=False):
+        with torch.autocast(dev, half or torch.bfloat16, enabled=half is not None,
+                            cache_enabled=False):
             yield
     finally:
         torch.backends.cudnn.allow_tf32 = old
@@ -242,20 +246,30 @@ def section_precision(args, device: str, voc, cfg: dict) -> dict:
     res: dict = {"batch": batch}
     with conv_precision("fp32"), activation_path("torch"), torch.inference_mode():
         ref = voc(mel).clone()
-    for mode in ("fp32", "tf32", "bf16"):
+    # *_module: a copy of the vocoder in that dtype, fed mel in it (no per-call weight casts)
+    modes = ("fp32", "tf32", "bf16", "fp16", "fp16_module", "bf16_module")
+    for mode in modes:
         try:
-            with conv_precision(mode), activation_path("recompute"), torch.inference_mode():
-                out = voc(mel).float().clone()
+            dtype = {"fp16_module": torch.float16, "bf16_module": torch.bfloat16}.get(mode)
+            net = copy.deepcopy(voc).to(dtype) if dtype is not None else voc
+            x = mel.to(dtype) if dtype is not None else mel
+            with conv_precision(mode), activation_path(args.precision_path), \
+                    torch.inference_mode():
+                out = net(x).float().clone()
                 res[f"{mode}_vs_fp32_torch"] = err(out, ref)
                 if device == "cuda":
-                    graph, _ = capture(lambda: voc(mel))
-                    res[f"{mode}_graph_ms"] = timed(graph.replay, args.reps)
-                    del graph
-                    torch.cuda.empty_cache()
+                    for b in (batch, 32):
+                        xb = x if b == batch else x.repeat(-(-b // batch), 1, 1)[:b]
+                        graph, _ = capture(lambda n=net, v=xb: n(v))
+                        res[f"{mode}_graph_ms" + ("" if b == batch else f"_b{b}")] = timed(
+                            graph.replay, args.reps)
+                        del graph
+                        torch.cuda.empty_cache()
                 else:
-                    res[f"{mode}_eager_ms"] = timed(lambda: voc(mel), args.reps)
+                    res[f"{mode}_eager_ms"] = timed(lambda n=net, v=x: n(v), args.reps)
         except Exception as e:  # noqa: BLE001
             res[f"{mode}_error"] = repr(e)[:500]
+    res["activation_path"] = args.precision_path
     return res
 
 
@@ -302,6 +316,9 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=None, help="mel frames per span (168)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--small", action="store_true", help="CPU smoke test (tiny config)")
+    ap.add_argument("--sections", default=None, help="comma-separated sections (default: all)")
+    ap.add_argument("--precision-path", default="recompute", choices=["recompute", "gather"],
+                    help="the fused activation's variant in the precision section")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
     if device == "cpu" and not args.small:
@@ -322,7 +339,10 @@ def main() -> None:
             ("profile", section_profile))]
     except Exception as e:  # noqa: BLE001
         result["build_error"] = repr(e)[:500]
+    wanted = set(args.sections.split(",")) if args.sections else None
     for name, fn in sections:
+        if wanted is not None and name not in wanted:
+            continue
         t0 = time.perf_counter()
         try:
             result[name] = fn()

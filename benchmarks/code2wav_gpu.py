@@ -346,6 +346,119 @@ class Bench:
         return out
 
 
+    def overlap(self) -> dict:
+        """Does the DiT's graph starve a high-priority decode stream beside it (the pipeline's
+        talker)? A probe graph of talker-sized bf16 GEMMs at batch 32 (24 layers: qkv, o,
+        gate/up, SiLU-mul, down; ~2.6 GB of weights) replays on a priority -2 stream, at most
+        2 steps queued (as an AR engine runs), while a thread launches the batch-32 360-frame
+        DiT ODE on a priority-0 stream: as one graph (the decoder's), or as 9 graphs of one RK4
+        interval each (4 evaluations), unthrottled or with at most 2 queued. Reports the DiT's
+        GPU time, the probe steps done meanwhile, how long the launches held their threads,
+        and overlap_gain = (DiT alone + those probe steps alone) / the DiT's time beside them
+        (> 1: running them together beats running them in turn)."""
+        import threading
+
+        import torch.nn.functional as F
+
+        from omnistage.engine.ar.cuda_graphs import private_stream
+        from omnistage.models.qwen2_5_omni.code2wav_fast import Qwen2_5OmniFastDiT
+        from omnistage.models.qwen2_5_omni.code2wav_stream import (
+            GUIDANCE_SCALE,
+            SWAY_COEFFICIENT,
+        )
+        if self.small:
+            return {"skipped": "CUDA graphs and streams: GPU only"}
+        dec = self.decoder("bfloat16", True, True)
+        bucket, width = 32, 360
+        g = dec.dit_graph(bucket, width)
+        g.inputs["nvalid"].fill_(width)
+        # one RK4 interval (a 2-point grid: 4 evaluations; same compiled shapes): 1/9 of the ODE
+        fast1 = Qwen2_5OmniFastDiT(self.model.code2wav_dit_model, torch.bfloat16, 2,
+                                   GUIDANCE_SCALE, SWAY_COEFFICIENT)
+        args = [g.inputs[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        piece, _ = dec._capture(lambda: fast1.sample(*args, True), ("dit_interval", bucket, width))
+        d, ff, dev = 896, 18944, self.dev
+        gen = torch.Generator(device=dev).manual_seed(0)
+        ws = [tuple(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02
+                    for n, k in ((2560, d), (d, 1536), (2 * ff, d), (d, ff))) for _ in range(24)]
+        x = torch.randn(bucket, d, device=dev, dtype=torch.bfloat16)
+
+        def probe_step() -> torch.Tensor:
+            h = x
+            for wqkv, wo, wgu, wd in ws:
+                qkv = F.linear(h, wqkv)
+                h = h + F.linear(qkv[:, :1536], wo)
+                gu = F.linear(h, wgu)
+                h = h + F.linear(F.silu(gu[:, :ff]) * gu[:, ff:], wd)
+            return h
+
+        probe, _ = dec._capture(probe_step, ("probe", bucket, d))
+        hi, lo = private_stream(dev, -2), private_stream(dev, 0)
+        out: dict = {}
+        with torch.cuda.stream(hi):
+            out["probe_alone_ms"] = timed(probe.replay, 20)
+        with torch.cuda.stream(lo):
+            out["dit_alone_ms"] = timed(g.graph.replay, 3)
+            out["dit_9_intervals_alone_ms"] = timed(lambda: [piece.replay() for _ in range(9)], 3)
+
+        def launch_dit(mode: str, marks: dict) -> None:
+            with torch.cuda.stream(lo):
+                marks["start"].record()
+                t = time.perf_counter()
+                if mode == "one_graph":
+                    g.graph.replay()
+                else:
+                    ends = []
+                    for i in range(9):
+                        if mode == "intervals_throttled" and i >= 2:
+                            ends[i - 2].synchronize()
+                        piece.replay()
+                        ends.append(torch.cuda.Event())
+                        ends[-1].record()
+                marks["launch_ms"] = 1e3 * (time.perf_counter() - t)
+                marks["end"].record()
+            marks["recorded"].set()
+
+        for mode in ("one_graph", "intervals", "intervals_throttled"):
+            for _ in range(2):  # the second run is the one reported (the first warms)
+                sync()
+                marks = {"start": torch.cuda.Event(enable_timing=True),
+                         "end": torch.cuda.Event(enable_timing=True),
+                         "recorded": threading.Event()}
+                base = torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(hi):
+                    base.record()
+                thread = threading.Thread(target=launch_dit, args=(mode, marks))
+                thread.start()
+                ends, host_ms = [], []
+                while len(ends) < 3000:
+                    if marks["recorded"].is_set() and marks["end"].query():
+                        break
+                    if len(ends) >= 2:
+                        ends[-2].synchronize()
+                    t = time.perf_counter()
+                    with torch.cuda.stream(hi):
+                        probe.replay()
+                        ends.append(torch.cuda.Event(enable_timing=True))
+                        ends[-1].record()
+                    host_ms.append(1e3 * (time.perf_counter() - t))
+                thread.join()
+                sync()
+            t0 = base.elapsed_time(marks["start"])
+            t1 = base.elapsed_time(marks["end"])
+            during = [e for e in ends if t0 <= base.elapsed_time(e) <= t1]
+            dit_ms = t1 - t0
+            out[mode] = {
+                "dit_ms": round(dit_ms, 1), "dit_launch_host_ms": round(marks["launch_ms"], 1),
+                "probe_steps_during_dit": len(during),
+                "probe_ms_per_step_during_dit": round(dit_ms / max(1, len(during)), 2),
+                "probe_launch_host_ms_max": round(max(host_ms), 2),
+                "probe_launch_host_ms_p50": round(sorted(host_ms)[len(host_ms) // 2], 3),
+                "overlap_gain": round((out["dit_alone_ms"] + len(during) * out["probe_alone_ms"])
+                                      / dit_ms, 3)}
+        return out
+
+
 def compare(got: list, ref: list) -> dict:
     mel_ref, wav_ref = torch.cat([c.mel for c in ref], 1), torch.cat([c.waveform for c in ref])
     mel, wav = torch.cat([c.mel for c in got], 1), torch.cat([c.waveform for c in got])
@@ -379,7 +492,8 @@ def main() -> None:
                      lambda: b.steps("bfloat16", True, "first1_then12", compile=True,
                                      attention="sdpa")))
     sections += [("attention_op", b.attention_op), ("kernels_bfloat16_compiled", b.kernels),
-                 ("kernels_bfloat16_compiled_sdpa", lambda: b.kernels("sdpa"))]
+                 ("kernels_bfloat16_compiled_sdpa", lambda: b.kernels("sdpa")),
+                 ("overlap", b.overlap)]
     for schedule in ("default", "first1_then3"):  # the uncompiled graphs, for comparison
         sections.append((f"graph_bfloat16_{schedule}",
                          lambda s=schedule: b.steps("bfloat16", True, s)))

@@ -420,6 +420,8 @@ async def main_async(args, res: dict, save) -> None:
     # read by the code2wav stage's streaming decoder when it is built (also in a worker process)
     os.environ["OMNISTAGE_CODE2WAV_DIT_DTYPE"] = args.code2wav_dtype
     res["code2wav_dit_dtype"] = args.code2wav_dtype
+    os.environ["OMNISTAGE_CODE2WAV_VOCODER_DTYPE"] = args.code2wav_vocoder_dtype
+    res["code2wav_vocoder_dtype"] = args.code2wav_vocoder_dtype
     pipeline = None
     if args.process_stages:  # these stages in processes of their own (pipeline YAML `worker`)
         import yaml
@@ -599,6 +601,9 @@ def main() -> None:
                     help="DiT blocks of the first audio chunk (default: --chunk-blocks)")
     ap.add_argument("--code2wav-dtype", default="float32", choices=["float32", "tf32", "bfloat16"],
                     help="compute dtype of the streaming code2wav DiT")
+    ap.add_argument("--code2wav-vocoder-dtype", default="float16",
+                    choices=["float32", "float16", "bfloat16"],
+                    help="dtype of BigVGAN's convs (float16: the pipeline's CUDA default)")
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
     ap.add_argument("--process-stages", default="",

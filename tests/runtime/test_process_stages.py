@@ -119,6 +119,7 @@ def test_worker_key_in_yaml(tmp_path):
 @pytest.mark.parametrize("option, value, field", [
     ("stage_worker", "thread", "stage_worker"), ("code2wav_dit_dtype", "fp8", "code2wav_dit_dtype"),
     ("code2wav_warmup", "yes", "code2wav_warmup"), ("code2wav_window", 3, "code2wav_window"),
+    ("code2wav_vocoder_dtype", "fp8", "code2wav_vocoder_dtype"),
     ("talker_handoff", "v4", "talker_handoff")])
 def test_bad_pipeline_options_name_the_field(tiny_omni_dir, option, value, field):
     with pytest.raises(ValueError, match=field):

@@ -39,7 +39,11 @@ from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
 from .token2wav import Qwen2_5OmniToken2Wav
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
-MAX_GRAPH_FRAMES = 384  # windows wider than this (e.g. whole-utterance windows) are not padded
+# windows wider than this (e.g. whole-utterance windows) are not padded; 672 = 28 blocks holds a
+# 24-block chunk's window (past 2 + 24 + future 1)
+MAX_GRAPH_FRAMES = 672
+VOCODER_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                  "bfloat16": torch.bfloat16}
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -99,12 +103,16 @@ class Qwen2_5OmniCode2WavDecoder:
     compile: torch.compile the DiT inside the graphs; None = with graphs unless
     OMNISTAGE_CODE2WAV_COMPILE=0 (the CPU path and ungraphed shapes stay eager).
     dit_attention: "block" (Triton) or "sdpa"; None = Qwen2_5OmniFastDiT's default.
+    vocoder_dtype: BigVGAN's convs in "float32" (default; cuDNN's TF32 on CUDA), or "float16" /
+    "bfloat16" (CUDA: autocast; the weights stay float32, the waveform comes back float32);
+    None = $OMNISTAGE_CODE2WAV_VOCODER_DTYPE or float32.
     """
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,
                  cuda_graphs: bool | None = None, buckets: tuple[int, ...] = BUCKETS,
                  pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES,
-                 compile: bool | None = None, dit_attention: str | None = None) -> None:
+                 compile: bool | None = None, dit_attention: str | None = None,
+                 vocoder_dtype: str | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device = model, p.device
         dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
@@ -134,6 +142,12 @@ class Qwen2_5OmniCode2WavDecoder:
                                        ODE_STEPS, GUIDANCE_SCALE, SWAY_COEFFICIENT,
                                        dit_attention)
         self.tf32 = self.dtype_name == "tf32"
+        voc_dtype = vocoder_dtype or os.environ.get("OMNISTAGE_CODE2WAV_VOCODER_DTYPE", "float32")
+        if voc_dtype not in VOCODER_DTYPES:
+            raise ValueError(f"vocoder_dtype: one of {sorted(VOCODER_DTYPES)}, got {voc_dtype!r}")
+        if voc_dtype != "float32" and self.device.type != "cuda":
+            raise ValueError(f"vocoder_dtype: {voc_dtype} needs a CUDA model")
+        self.vocoder_dtype = voc_dtype
         self.spec, self.block = model.spec, model.spec.block_size
         self.speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -275,12 +289,11 @@ class Qwen2_5OmniCode2WavDecoder:
     def voc_graph(self, bucket: int, length: int) -> _Graph:
         g = self.voc_graphs.get((bucket, length))
         if g is None:
-            voc = self.model.code2wav_bigvgan_model
-            p = next(voc.parameters())
+            p = next(self.model.code2wav_bigvgan_model.parameters())
             mel = torch.zeros(bucket, self.spec.mel_dim, length, device=self.device,
                               dtype=p.dtype)
             g = _Graph({"mel": mel})
-            g.graph, g.output = self._capture(lambda: voc(g.inputs["mel"]),
+            g.graph, g.output = self._capture(lambda: self._vocoder(g.inputs["mel"]),
                                               ("vocoder", bucket, length))
             self.voc_graphs[(bucket, length)] = g
         return g
@@ -306,11 +319,19 @@ class Qwen2_5OmniCode2WavDecoder:
                 mels[i] = out[j, :widths[i]].clone()
         return mels
 
+    def _vocoder(self, mel: torch.Tensor) -> torch.Tensor:
+        """BigVGAN on mel [B, M, L] with its convs in vocoder_dtype -> waveform [B, L hop]."""
+        voc = self.model.code2wav_bigvgan_model
+        if self.vocoder_dtype == "float32":
+            return voc(mel)
+        # no weight cache: a graph captures the casts (they cost ~0.3 ms, not a stale copy)
+        with torch.autocast("cuda", VOCODER_DTYPES[self.vocoder_dtype], cache_enabled=False):
+            return voc(mel).float()
+
     def vocode(self, spans: list[Qwen2_5OmniCode2WavSpan], mels: list[torch.Tensor],
                config: Qwen2_5OmniCode2WavStreamConfig) -> list[torch.Tensor]:
         """Each row's vocoder span -> waveform [V_i * hop] float32 (owned)."""
-        voc = self.model.code2wav_bigvgan_model
-        p = next(voc.parameters())
+        p = next(self.model.code2wav_bigvgan_model.parameters())
         by_len: dict[int, list[int]] = defaultdict(list)
         for i, sp in enumerate(spans):
             by_len[sp.vocoder[1] - sp.vocoder[0]].append(i)
@@ -328,7 +349,7 @@ class Qwen2_5OmniCode2WavDecoder:
                     g.graph.replay()
                     out = g.output
                 else:
-                    out = voc(torch.stack(ins).to(p.dtype))
+                    out = self._vocoder(torch.stack(ins).to(p.dtype))
                 for j, i in enumerate(part):
                     wavs[i] = out[j].float().clone()
         return wavs

@@ -72,9 +72,11 @@ class Qwen2_5OmniCode2WavStage:
     def __init__(self, name: str, model: Qwen2_5OmniToken2Wav, device: torch.device,
                  stream_config: Qwen2_5OmniCode2WavStreamConfig | None,
                  dit_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None,
-                 warmup: bool = False, compile: bool | None = None) -> None:
+                 warmup: bool = False, compile: bool | None = None,
+                 vocoder_dtype: str | None = None) -> None:
         # dit_dtype: the streaming DiT's compute dtype ("float32", "tf32", "bfloat16"; None =
-        # $OMNISTAGE_CODE2WAV_DIT_DTYPE or float32); cuda_graphs: None = on for CUDA unless
+        # $OMNISTAGE_CODE2WAV_DIT_DTYPE or float32); vocoder_dtype: BigVGAN's conv dtype
+        # (Qwen2_5OmniCode2WavDecoder's); cuda_graphs: None = on for CUDA unless
         # OMNISTAGE_CUDA_GRAPHS=0; warmup: capture the stream config's graphs now; compile:
         # torch.compile the graphed DiT (None = with graphs unless OMNISTAGE_CODE2WAV_COMPILE=0)
         self.name, self.model, self.device = name, model, device
@@ -92,7 +94,7 @@ class Qwen2_5OmniCode2WavStage:
         self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
                          if launch_on_thread(device) else None)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
-                                "compile": compile}
+                                "compile": compile, "vocoder_dtype": vocoder_dtype}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
         if warmup:
             self.warmup()

@@ -293,11 +293,42 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert _max_diff(again, got) == (0.0, 0.0)
 
 
+@pytest.mark.gpu
+def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # BigVGAN's convs in fp16 / bf16 (autocast) vs float32 on the same GPU, graphs and eager
+    import copy
+    model = copy.deepcopy(t2w).cuda()
+    codes, cond, ref_mel = _request(42, 70)
+    stream = Qwen2_5OmniCode2WavStream(model, cond.cuda(), ref_mel.cuda(), 42)
+    stream.add_codes(codes, finished=True)
+    reqs = [(stream, 1), (stream, 2)]
+    ref = Qwen2_5OmniCode2WavDecoder(model, cuda_graphs=False, vocoder_dtype="float32")
+    torch.backends.cudnn.allow_tf32, tf32 = False, torch.backends.cudnn.allow_tf32
+    try:
+        want = ref.decode(reqs)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    for dtype, min_snr in (("float16", 45.0), ("bfloat16", 30.0)):
+        for graphs in (False, True):
+            dec = Qwen2_5OmniCode2WavDecoder(model, cuda_graphs=graphs, compile=False,
+                                             vocoder_dtype=dtype)
+            got = dec.decode(reqs)
+            for a, b in zip(got, want, strict=True):
+                assert a.waveform.dtype == torch.float32
+                assert torch.equal(a.mel, b.mel) or graphs  # the DiT is untouched (eager)
+                err = (a.waveform - b.waveform).pow(2).sum()
+                snr = float(10 * torch.log10(b.waveform.pow(2).sum() / err))
+                print(f"vocoder {dtype} graphs={graphs}: waveform SNR {snr:.1f} dB")
+                assert min_snr < snr < 200, (dtype, graphs, snr)
+
+
 @pytest.mark.parametrize("field,make", [
     ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="bfloat16")),
     ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="int8")),
     ("cuda_graphs", lambda m: Qwen2_5OmniCode2WavDecoder(m, cuda_graphs=True)),
     ("compile", lambda m: Qwen2_5OmniCode2WavDecoder(m, compile=True)),
+    ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="float16")),
+    ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="int8")),
     ("buckets", lambda m: Qwen2_5OmniCode2WavDecoder(m, buckets=(4, 2))),
     ("first_chunk_blocks", lambda m: Config(first_chunk_blocks=0)),
     ("requests", lambda m: Qwen2_5OmniCode2WavDecoder(m).decode(
