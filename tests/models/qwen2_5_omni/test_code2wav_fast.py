@@ -295,7 +295,8 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 
 @pytest.mark.gpu
 def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
-    # BigVGAN's convs in fp16 / bf16 (autocast) vs float32 on the same GPU, graphs and eager
+    # BigVGAN's convs in fp16 / bf16 (autocast) vs strict float32 on the same GPU, graphs and
+    # eager (the DiT runs float32 in both; its speaker encoder's convs differ by TF32 only)
     import copy
     model = copy.deepcopy(t2w).cuda()
     codes, cond, ref_mel = _request(42, 70)
@@ -315,7 +316,6 @@ def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
             got = dec.decode(reqs)
             for a, b in zip(got, want, strict=True):
                 assert a.waveform.dtype == torch.float32
-                assert torch.equal(a.mel, b.mel) or graphs  # the DiT is untouched (eager)
                 err = (a.waveform - b.waveform).pow(2).sum()
                 snr = float(10 * torch.log10(b.waveform.pow(2).sum() / err))
                 print(f"vocoder {dtype} graphs={graphs}: waveform SNR {snr:.1f} dB")
