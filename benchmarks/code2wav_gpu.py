@@ -4,14 +4,15 @@ Measures one streaming chunk step (DiT ODE: 36 evaluations with CFG batch 2, the
   - the module path (`decode_chunks`, eager, the previous implementation; batch 1),
   - `Qwen2_5OmniCode2WavDecoder` with CUDA graphs in bfloat16, with the DiT inductor-compiled
     inside the graphs (`..._compiled_...`) and without, at batch 1, 8 and 32 (one bucket-32
-    graph), for the default schedule (1-block chunks, 96-frame windows) and the 1-then-3-block
-    schedule (144-frame windows);
+    graph), for the default schedule (1-block chunks, 96-frame windows) and the 1-then-3, 12 and
+    24-block schedules (144, 360 and 648-frame windows);
 and reports ms per step (and the DiT graph alone), audio seconds per second, first-chunk latency,
 first-call (compile + capture) time, graph pool memory, the accuracy of compiled vs uncompiled
 and of bf16 vs float32 (mel/waveform max abs, SNR), and a kernel profile of one compiled ODE
-(kernels per ODE, GPU time by kind, the attention kernel's name). Prints one JSON (each section
-fails alone). `--all` adds the float32/tf32 graph sections and eager sections (slow). Run from
-the repo root:
+(kernels per ODE, GPU time by kind, the attention kernel's name), and `overlap`: whether a
+high-priority decode stream (a talker-sized probe) makes progress beside a DiT graph. Prints
+one JSON (each section fails alone). `--all` adds the float32/tf32 graph sections and eager
+sections (slow). Run from the repo root:
     PYTHONPATH=$PWD python benchmarks/code2wav_gpu.py [--out result.json]
 `--small` runs the same code on the CPU with the tiny test config (float32, no graphs): a smoke
 test of this script, not a measurement.
@@ -50,9 +51,12 @@ SCHEDULES = {"default": Qwen2_5OmniCode2WavStreamConfig(),
              "first1_then3": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=3, first_chunk_blocks=1),
              # the pipeline benchmark's flags: --chunk-blocks 12 --first-chunk-blocks 1
              "first1_then12": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=12,
+                                                              first_chunk_blocks=1),
+             # the pipeline's CUDA default since session 8
+             "first1_then24": Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=24,
                                                               first_chunk_blocks=1)}
-# a middle chunk of each schedule: full window, full vocoder span (window 96, 144, 360 frames)
-MIDDLE_CHUNK = {"default": 40, "first1_then3": 14, "first1_then12": 3}
+# a middle chunk of each schedule: full window, full vocoder span (window 96, 144, 360, 648)
+MIDDLE_CHUNK = {"default": 40, "first1_then3": 14, "first1_then12": 3, "first1_then24": 2}
 
 
 def token2wav_config(small: bool) -> dict:
