@@ -18,6 +18,7 @@ from omnistage.engine.ar.sequence import Sequence
 from omnistage.entrypoints.lm_pipeline import (build_model, generation_defaults, new_request_id,
                                                resolve_seed, stage_engine_config)
 from omnistage.entrypoints.options import resolve_device, resolve_dtype
+from omnistage.models.qwen2_5_omni.code2wav_graphs import VOCODER_DTYPES
 from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_5OmniCode2WavStage
 from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
@@ -121,9 +122,9 @@ class Qwen2_5OmniPipeline:
         # (H100, 7B shapes, batch 32: 103 vs 133 ms with TF32, waveform SNR 60.7 dB vs 64.4 dB
         # for TF32, against strict fp32; bf16: 43 dB at the same speed)
         vocoder_dtype = opts.pop("code2wav_vocoder_dtype", None)
-        if vocoder_dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(f"code2wav_vocoder_dtype: {vocoder_dtype!r}; one of float32, "
-                             f"float16, bfloat16")
+        if vocoder_dtype is not None and vocoder_dtype not in VOCODER_DTYPES:
+            raise ValueError(f"code2wav_vocoder_dtype: {vocoder_dtype!r}; one of "
+                             f"{', '.join(VOCODER_DTYPES)}")
         warmup = opts.pop("code2wav_warmup", None)  # None = capture code2wav's graphs on CUDA
         if warmup not in (None, True, False):
             raise ValueError(f"code2wav_warmup: {warmup!r}; true or false")
@@ -147,12 +148,13 @@ class Qwen2_5OmniPipeline:
             window = options["code2wav_window"]
             if window == "auto":
                 # NOTE: H100 at 7B shapes, 24- vs 12-block chunks after the first (1 block):
-                # the DiT runs 27 blocks per 24 new ones instead of 15 per 12 (10% less work),
-                # and the GPU does not overlap the talker with a DiT graph anyway (the talker's
-                # kernels wait: code2wav_gpu.py --sections overlap). c32 65.3-68.0 vs 60.9
-                # audio-s/s, c64 74.4 vs 66.3, c1 RTF 0.120 vs 0.124, TTFA about the same when
-                # requests arrive together; but a request arriving while a batch-32 step runs
-                # waits for it (~1.8 s vs ~1.0 s). 12 vs 6 blocks: c32 50.0 vs 45.6
+                # the DiT runs 27 blocks per 24 new ones instead of 15 per 12 (10% less work);
+                # overlap would not hide it: beside a DiT graph the talker's kernels barely run
+                # (code2wav_gpu.py --sections overlap). c32 69.0 vs 62.0 audio-s/s in one A/B
+                # (65.3-69.2 over four runs at 24), c64 74-77 vs 66, c1 RTF 0.119 vs 0.124, TTFA
+                # about the same when requests arrive together; a request arriving while a
+                # batch-32 step runs waits for it (~1.8 s vs ~1.0 s: c32 arriving over 6 s,
+                # TTFA p50 0.67 s, max 1.73 s). 12 vs 6 blocks: c32 50.0 vs 45.6
                 window = Qwen2_5OmniCode2WavStreamConfig(
                     chunk_blocks=24, first_chunk_blocks=1) if cuda \
                     else Qwen2_5OmniCode2WavStreamConfig()
