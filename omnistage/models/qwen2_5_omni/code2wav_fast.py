@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -200,23 +201,45 @@ class Qwen2_5OmniFastDiT:
         compiled: run the DiT through the inductor-compiled step functions (see _compiled_steps;
         each new input shape compiles once, so keep the set of shapes small, e.g. graph buckets).
         """
+        state = self.begin(noise, codes, spk, cond, start, nvalid)
+        for i in range(len(self.widths)):
+            self.interval(state, i, compiled)
+        return state.x
+
+    def begin(self, noise: torch.Tensor, codes: torch.Tensor, spk: torch.Tensor,
+              cond: torch.Tensor, start: torch.Tensor, nvalid: torch.Tensor) -> DiTState:
+        """The ODE's state before its first interval (sample's arguments)."""
         width = noise.shape[1]
         static = self.static_projection(codes, spk, cond)
         rope, masks, valid = self.window_geometry(start, nvalid, width)
         keep = valid.unsqueeze(-1)
-        e = iter(range(len(self.times)))
+        return DiTState(noise.masked_fill(~keep, 0.0), static, rope, masks, keep)
 
-        def vel(x: torch.Tensor) -> torch.Tensor:
-            return self.velocity(x, next(e), static, rope, masks, keep, compiled)
+    def interval(self, state: DiTState, i: int, compiled: bool = False) -> torch.Tensor:
+        """RK4 interval i (evaluations 4i .. 4i + 3): state.x advanced in place (a CUDA graph
+        of one interval writes the same buffer every replay); returns it."""
+        def vel(x: torch.Tensor, j: int) -> torch.Tensor:
+            return self.velocity(x, 4 * i + j, state.static, state.rope, state.masks,
+                                 state.keep, compiled)
 
-        x, third = noise.masked_fill(~keep, 0.0), 1 / 3
-        for h in self.widths:  # the reference's arithmetic, operand order included
-            k1 = vel(x)
-            k2 = vel(x + k1 * h * third)
-            k3 = vel(x + h * (k2 - k1 * third))
-            k4 = vel(x + h * (k1 - k2 + k3))
-            x = x + (k1 + 3 * (k2 + k3) + k4) * h / 8
-        return x
+        x, h, third = state.x, self.widths[i], 1 / 3
+        # the reference's arithmetic, operand order included
+        k1 = vel(x, 0)
+        k2 = vel(x + k1 * h * third, 1)
+        k3 = vel(x + h * (k2 - k1 * third), 2)
+        k4 = vel(x + h * (k1 - k2 + k3), 3)
+        return state.x.copy_(x + (k1 + 3 * (k2 + k3) + k4) * h / 8)
+
+
+@dataclass
+class DiTState:
+    """An ODE in progress: x [R, W, mel] float32 and what every evaluation reads."""
+
+    x: torch.Tensor
+    static: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    masks: dict
+    keep: torch.Tensor
 
 
 # ---------------------------------------------------------------- the DiT's step functions

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.models.qwen2_5_omni.code2wav_graphs import Qwen2_5OmniCode2WavDecoder
-from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavStream,
+from omnistage.models.qwen2_5_omni.code2wav_graphs import DecodeJob, Qwen2_5OmniCode2WavDecoder
+from omnistage.models.qwen2_5_omni.code2wav_stream import (ODE_STEPS, Qwen2_5OmniCode2WavChunk,
+                                                           Qwen2_5OmniCode2WavStream,
                                                            Qwen2_5OmniCode2WavStreamConfig)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.registry import register_model
@@ -57,6 +58,23 @@ def launch_on_thread(device: torch.device) -> bool:
     return _switch("OMNISTAGE_CODE2WAV_THREAD", device)
 
 
+def preempt_intervals(device: torch.device) -> int:
+    """OMNISTAGE_CODE2WAV_PREEMPT: a step of later chunks runs in parts of this many of the
+    ODE's 9 RK4 intervals, and a step of first chunks may run between two parts ("0": whole
+    steps; unset: 3 on CUDA, 0 elsewhere).
+
+    NOTE: why: a request that arrives while a batch-32 step of 24-block chunks runs (~1.7 s on
+    an H100) would wait for all of it before its first audio; in parts of 3 intervals it waits
+    for at most one part (~0.6 s). The parts cost nothing extra on the GPU (the DiT graphs are
+    one per interval anyway: 654.5 vs 651.6 ms for one whole-ODE graph at batch 32)."""
+    env = os.environ.get("OMNISTAGE_CODE2WAV_PREEMPT", "")
+    if not env:
+        return 3 if device.type == "cuda" else 0
+    if not env.isdigit():
+        raise ValueError(f"OMNISTAGE_CODE2WAV_PREEMPT: an int >= 0, got {env!r}")
+    return int(env)
+
+
 @dataclass
 class Code2WavRequest:
     cond: torch.Tensor  # [enc_emb_dim] speaker vector (fp32, device)
@@ -66,6 +84,16 @@ class Code2WavRequest:
     codes_finished: bool = False
     stream: Qwen2_5OmniCode2WavStream | None = None
     next_chunk: int = 0
+    in_job: bool = False  # its next chunk is in the stage's unfinished step (job)
+
+
+@dataclass
+class _StepJob:
+    """A step of later chunks run in parts (preempt_intervals)."""
+
+    ready: list[tuple[str, Code2WavRequest]]
+    decode: DecodeJob | None = None  # begun by its first part (on the launcher thread)
+    parts: int = 0  # parts launched
 
 
 class Qwen2_5OmniCode2WavStage:
@@ -73,12 +101,13 @@ class Qwen2_5OmniCode2WavStage:
                  stream_config: Qwen2_5OmniCode2WavStreamConfig | None,
                  dit_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None,
                  warmup: bool = False, compile: bool | None = None,
-                 vocoder_dtype: str | None = None) -> None:
+                 vocoder_dtype: str | None = None, preempt: int | None = None) -> None:
         # dit_dtype: the streaming DiT's compute dtype ("float32", "tf32", "bfloat16"; None =
         # $OMNISTAGE_CODE2WAV_DIT_DTYPE or float32); vocoder_dtype: BigVGAN's conv dtype
         # (Qwen2_5OmniCode2WavDecoder's); cuda_graphs: None = on for CUDA unless
         # OMNISTAGE_CUDA_GRAPHS=0; warmup: capture the stream config's graphs now; compile:
-        # torch.compile the graphed DiT (None = with graphs unless OMNISTAGE_CODE2WAV_COMPILE=0)
+        # torch.compile the graphed DiT (None = with graphs unless OMNISTAGE_CODE2WAV_COMPILE=0);
+        # preempt: RK4 intervals per part of a later-chunk step (None = preempt_intervals)
         self.name, self.model, self.device = name, model, device
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
@@ -90,6 +119,10 @@ class Qwen2_5OmniCode2WavStage:
         # request's time to first audio (later chunks have the audio already out as slack)
         self.gpu_first = StageStream(device, priority=-1)
         self.first_alone = first_chunks_alone(device)
+        self.preempt = preempt_intervals(device) if preempt is None else int(preempt)
+        if self.preempt < 0:
+            raise ValueError(f"preempt: an int >= 0, got {preempt!r}")
+        self.job: _StepJob | None = None  # the later-chunk step in progress (preempt > 0)
         # one worker: the orchestrator never launches this stage again before collecting it
         self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
                          if launch_on_thread(device) else None)
@@ -132,9 +165,11 @@ class Qwen2_5OmniCode2WavStage:
             req.stream.add_codes(codes, finished)
 
     def abort(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        self.requests.pop(request_id, None)  # (a job computes its chunk still; collect drops it)
 
     def _ready(self, req: Code2WavRequest) -> bool:
+        if req.in_job:
+            return False
         if req.codes_finished and not req.codes:
             return True
         if req.stream is None:
@@ -142,7 +177,7 @@ class Qwen2_5OmniCode2WavStage:
         return req.stream.ready_chunks() > req.next_chunk
 
     def has_work(self) -> bool:
-        return any(self._ready(r) for r in self.requests.values())
+        return self.job is not None or any(self._ready(r) for r in self.requests.values())
 
     def step(self) -> list[StageEvent]:
         launched = self.launch()
@@ -160,9 +195,11 @@ class Qwen2_5OmniCode2WavStage:
                 del self.requests[rid]
                 events.append(StageEvent(self.name, rid, finished=True, finish_reason="stop"))
         ready = [(rid, r) for rid, r in ready if r.codes]
+        first = [(rid, r) for rid, r in ready if r.next_chunk == 0]
+        if self.job is not None and not first:  # only first chunks go ahead of its next part
+            return self._launch_part(t0, events)
         if not ready:
             return LaunchedStep(None, events) if events else None
-        first = [(rid, r) for rid, r in ready if r.next_chunk == 0]
         # alone only when every request still waiting for its first audio waits for code2wav
         # alone (its first chunk is ready: in this step, or in the next when they exceed a
         # step): the pause of the AR stages would delay the codes of any other (with arrivals
@@ -173,6 +210,10 @@ class Qwen2_5OmniCode2WavStage:
         if alone:  # later chunks wait for the next step: their audio is already playing
             ready = first
             self.alone_steps += 1
+        elif self.job is not None:
+            ready = first
+        if not first and self.preempt and self.stream_config is not None:
+            return self._launch_part(t0, events, ready)
         self.batch_sizes.append(len(ready))
         gpu = self.gpu_first if first else self.gpu
         with gpu.active(launch=True):  # (the previous step was collected: done on the GPU)
@@ -182,13 +223,37 @@ class Qwen2_5OmniCode2WavStage:
                                     time.perf_counter() - t0)
             jobs = [(r.stream, r.next_chunk) for _, r in ready]
             if self.launcher is None:
-                state = (ready, self._queue_decode(jobs))
+                state = (ready, self._queue_decode(jobs), False)
                 return gpu.launched(state, start, t0, events, exclusive=alone)
         # (the stream already waits for the default stream's work queued before this launch)
         end = torch.cuda.Event(enable_timing=True) if gpu.stream is not None else None
         pending = self.launcher.submit(self._queue_decode, jobs, gpu, end)
-        return LaunchedStep((ready, None), events, start, end, time.perf_counter() - t0,
+        return LaunchedStep((ready, None, False), events, start, end, time.perf_counter() - t0,
                             exclusive=alone, pending=pending)
+
+    def _launch_part(self, t0: float, events: list[StageEvent],
+                     ready: list[tuple[str, Code2WavRequest]] | None = None) -> LaunchedStep:
+        """Queue the next part of the step in progress, or the first part of a new one of
+        `ready` (later chunks only)."""
+        if self.job is None:
+            self.job = _StepJob(ready)
+            self.batch_sizes.append(len(ready))
+            for _, r in ready:
+                r.in_job = True
+        job = self.job
+        job.parts += 1
+        last = job.parts * self.preempt >= ODE_STEPS - 1
+        # collect emits the step's chunks after its last part (and frees its requests)
+        ready = job.ready if last else []
+        gpu = self.gpu
+        with gpu.active(launch=True):
+            start = gpu.event()
+            if self.launcher is None:
+                return gpu.launched((ready, self._queue_part(job), last), start, t0, events)
+        end = torch.cuda.Event(enable_timing=True) if gpu.stream is not None else None
+        pending = self.launcher.submit(self._queue_part, job, gpu, end)
+        return LaunchedStep((ready, None, last), events, start, end, time.perf_counter() - t0,
+                            pending=pending)
 
     def _queue_decode(self, jobs: list[tuple[Qwen2_5OmniCode2WavStream, int]],
                       gpu: StageStream | None = None, end: torch.cuda.Event | None = None
@@ -197,13 +262,32 @@ class Qwen2_5OmniCode2WavStage:
         buffer collect reads once the GPU is done). On the launcher thread: gpu's stream is
         made current there, and end is recorded on it after the work."""
         with gpu.active(launch=False) if gpu is not None else nullcontext():
-            chunks = self.decoder.decode(jobs)
-            wav = torch.cat([c.waveform.float() for c in chunks])
-            # one copy into pinned memory: collect() reads it once the stream gets there
-            host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
-            host.copy_(wav, non_blocking=True)
+            out = self._to_host(self.decoder.decode(jobs))
             if end is not None:
                 end.record()
+        return out
+
+    def _queue_part(self, job: _StepJob, gpu: StageStream | None = None,
+                    end: torch.cuda.Event | None = None
+                    ) -> tuple[list[int], torch.Tensor] | None:
+        """_queue_decode for one part of a step run in parts: None until its last part."""
+        with gpu.active(launch=False) if gpu is not None else nullcontext():
+            if job.decode is None:
+                job.decode = self.decoder.begin_job([(r.stream, r.next_chunk)
+                                                     for _, r in job.ready])
+            out = None
+            if self.decoder.advance(job.decode, self.preempt):
+                out = self._to_host(self.decoder.finish(job.decode))
+            if end is not None:
+                end.record()
+        return out
+
+    @staticmethod
+    def _to_host(chunks: list[Qwen2_5OmniCode2WavChunk]) -> tuple[list[int], torch.Tensor]:
+        wav = torch.cat([c.waveform.float() for c in chunks])
+        # one copy into pinned memory: collect() reads it once the stream gets there
+        host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=wav.is_cuda)
+        host.copy_(wav, non_blocking=True)
         return [c.waveform.shape[0] for c in chunks], host
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
@@ -211,10 +295,17 @@ class Qwen2_5OmniCode2WavStage:
         events = list(launched.events)
         if launched.state is None:  # finished at launch (one-shot, empty utterances)
             return events
-        ready, queued = launched.state
-        lengths, host = launched.pending.result() if launched.pending is not None else queued
+        ready, queued, ends_job = launched.state
+        out = launched.pending.result() if launched.pending is not None else queued
         if launched.end is not None:
             launched.end.synchronize()
+        if ends_job:
+            self.job = None
+            for _, r in ready:
+                r.in_job = False
+        if out is None:  # a part of a step: its audio comes with the last part
+            return events
+        lengths, host = out
         off = 0
         for (rid, r), n in zip(ready, lengths):
             wav, off = host[off:off + n].numpy().copy(), off + n
@@ -244,6 +335,9 @@ class Qwen2_5OmniCode2WavStage:
         events = [StageEvent(self.name, rid, finished=True, finish_reason="error", error=error)
                   for rid in self.requests]
         self.requests.clear()
+        self.job = None
+        if self._decoder is not None:
+            self._decoder.drop_jobs()
         return events
 
     def stats(self) -> dict[str, float]:
@@ -251,6 +345,6 @@ class Qwen2_5OmniCode2WavStage:
                 "batch_size": self.batch_sizes[-1] if self.batch_sizes else 0,
                 "max_batch_size": max(self.batch_sizes, default=0),
                 "chunks": sum(self.batch_sizes), "steps": len(self.batch_sizes),
-                "alone_steps": self.alone_steps,
+                "alone_steps": self.alone_steps, "preempt_intervals": self.preempt,
                 "busy_seconds": self.busy_seconds,
                 **({} if self._decoder is None else self._decoder.stats())}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,6 +222,62 @@ def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav, thread: str,
         assert abs(torch.from_numpy(a) - c.waveform).max() <= 1e-6
 
 
+def test_job_in_parts_equals_decode(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # a decode run in parts of RK4 intervals, with another decode between the parts, gives
+    # decode()'s chunks exactly (eager, CPU: the same arithmetic in the same order)
+    dec = Qwen2_5OmniCode2WavDecoder(t2w)
+    a, b = _stream(t2w, 1, 70, SCHEDULE), _stream(t2w, 2, 50, SCHEDULE)
+    reqs = [(a, 1), (b, 2)]
+    want = dec.decode(reqs)
+    job = dec.begin_job(reqs)
+    assert not dec.advance(job, 4) and job.done == 4
+    other = dec.decode([(b, 0)])
+    assert not dec.advance(job, 4) and dec.advance(job, 4) and job.done == 9
+    got = dec.finish(job)
+    assert _max_diff(got, want) == (0.0, 0.0)
+    assert _max_diff(other, dec.decode([(b, 0)])) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="requests"):
+        dec.begin_job([])
+
+
+@pytest.mark.parametrize("thread", ["0", "1"], ids=["inline", "launcher_thread"])
+def test_stage_first_chunk_goes_between_parts(t2w: Qwen2_5OmniToken2Wav, thread: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of later chunks runs in parts (preempt=4: 3 parts of the 9 intervals); a new
+    request's first chunk, ready meanwhile, is emitted before that step's; all audio equals
+    the whole-step stage's."""
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_THREAD", thread)
+
+    def run(preempt: int) -> list[tuple[str, int]]:
+        stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE,
+                                         preempt=preempt)
+        out = []
+        for rid, seed in (("a", 1), ("b", 2)):
+            codes, cond, ref_mel = _request(seed, 70)
+            stage.submit(rid, Code2WavRequest(cond, ref_mel, 100 + seed))
+            if rid == "a":
+                stage.add_codes("a", codes, finished=True)
+                out += [(e.request_id, e.audio) for e in stage.step()]  # a's first chunk
+                launched = stage.launch()  # a's second chunk: the first part of its step
+                assert launched.state[0] == [] if preempt else len(launched.state[0]) == 1
+                out += [(e.request_id, e.audio) for e in stage.collect(launched)]
+            else:
+                stage.add_codes("b", codes, finished=True)
+        while stage.has_work():
+            out += [(e.request_id, e.audio) for e in stage.step()]
+        assert not stage.requests and stage.job is None
+        return out
+
+    parts, whole = run(4), run(0)
+    assert [rid for rid, _ in parts][:3] == ["a", "b", "a"]  # b's first chunk went ahead
+    assert [rid for rid, _ in whole][:3] == ["a", "a", "b"]
+    for rid in ("a", "b"):
+        got = [x for r, x in parts if r == rid]
+        want = [x for r, x in whole if r == rid]
+        assert len(got) == len(want) == 3
+        assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
+
+
 def test_launch_returns_while_the_decode_is_queued(t2w: Qwen2_5OmniToken2Wav,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """With the launcher thread, a launch whose decode blocks (a CUDA graph launch at batch 32
@@ -294,6 +351,31 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 
 
 @pytest.mark.gpu
+def test_graphed_job_in_parts_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # the graphed DiT run interval by interval with another shape's graphs in between equals
+    # the graphs back to back; the job's shape is refused to other decodes until it finishes
+    import copy
+    model = copy.deepcopy(t2w).cuda()
+    streams = []
+    for seed, n in ((40, 30), (41, 70)):
+        codes, cond, ref_mel = _request(seed, n)
+        streams.append(Qwen2_5OmniCode2WavStream(model, cond.cuda(), ref_mel.cuda(), seed))
+        streams[-1].add_codes(codes, finished=True)
+    reqs = [(streams[0], 2), (streams[1], 3)]  # bucket 2, width 96
+    dec = Qwen2_5OmniCode2WavDecoder(model, compile=False)
+    want = dec.decode(reqs)
+    first = dec.decode([(streams[1], 0)])  # bucket 1, width 48
+    job = dec.begin_job(reqs)
+    assert job.graph is not None and not dec.advance(job, 5)
+    with pytest.raises(ValueError, match="unfinished job"):
+        dec.decode(reqs)
+    assert _max_diff(dec.decode([(streams[1], 0)]), first) == (0.0, 0.0)
+    assert dec.advance(job, 5)
+    assert _max_diff(dec.finish(job), want) == (0.0, 0.0)
+    assert _max_diff(dec.decode(reqs), want) == (0.0, 0.0)  # the shape is free again
+
+
+@pytest.mark.gpu
 def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     # BigVGAN's convs in fp16 / bf16 (autocast) vs strict float32 on the same GPU, graphs and
     # eager (the DiT runs float32 in both; its speaker encoder's convs differ by TF32 only)
@@ -327,6 +409,8 @@ def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="int8")),
     ("cuda_graphs", lambda m: Qwen2_5OmniCode2WavDecoder(m, cuda_graphs=True)),
     ("compile", lambda m: Qwen2_5OmniCode2WavDecoder(m, compile=True)),
+    ("preempt", lambda m: Qwen2_5OmniCode2WavStage("c", m, torch.device("cpu"), None,
+                                                   preempt=-1)),
     ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="float16")),
     ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="int8")),
     ("buckets", lambda m: Qwen2_5OmniCode2WavDecoder(m, buckets=(4, 2))),
