@@ -6,8 +6,9 @@
     stay absolute and padded frames are masked out of attention (the DiT's only cross-frame op),
     so a padded row equals its window decoded alone. Edge chunks (windows clipped at frame 0 or
     at the utterance's end) are padded the same way: every chunk runs in a fixed shape. On CUDA
-    the whole ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is one
-    CUDA graph, captured lazily into a shared memory pool. By default the DiT's step functions
+    the ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is one CUDA
+    graph per RK4 interval (9), captured lazily into a shared memory pool; run back to back, or
+    in parts with other shapes' graphs between them (begin_job). By default the DiT's step functions
     inside these graphs are inductor-compiled (code2wav_fast._compiled_steps): norms, modulation,
     rotary, activations and residuals fuse around the GEMMs and attention, one compile per
     (bucket, width) shared by all 22 layers, done in the warm-up run before the capture.
@@ -466,6 +467,16 @@ class Qwen2_5OmniCode2WavDecoder:
             self._live.pop(job.key, None)
             wavs = self.vocode(job.spans, mels, job.config)
         return assemble_chunks(self.model, job.requests, job.spans, mels, wavs)
+
+    def is_held(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]) -> bool:
+        """Whether decode(requests) needs a graphed DiT shape that an unfinished job holds
+        (it would raise ValueError). Host logic only."""
+        if not self._live or not requests:
+            return False
+        config = requests[0][0].config
+        widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in requests)]
+        return any((bucket, width) in self._live
+                   for _, bucket, width in self.plan(widths, config))
 
     def drop_jobs(self) -> None:
         """Forget unfinished jobs (their stage failed): their DiT shapes serve decodes again."""

@@ -6,7 +6,8 @@ evaluation, and emits it. One-shot (streaming off): an utterance is decoded whol
 code has arrived, several utterances per batch.
 
 Streaming chunks go through `Qwen2_5OmniCode2WavDecoder` (code2wav_graphs.py): fixed-shape
-padded windows, and on CUDA one CUDA graph per (batch bucket, window width) for the whole ODE."""
+padded windows, and on CUDA CUDA graphs per (batch bucket, window width), one per RK4 interval of
+the ODE. A step of later chunks may run in parts (preempt_intervals): first chunks go between."""
 
 from __future__ import annotations
 
@@ -196,7 +197,10 @@ class Qwen2_5OmniCode2WavStage:
                 events.append(StageEvent(self.name, rid, finished=True, finish_reason="stop"))
         ready = [(rid, r) for rid, r in ready if r.codes]
         first = [(rid, r) for rid, r in ready if r.next_chunk == 0]
-        if self.job is not None and not first:  # only first chunks go ahead of its next part
+        # only first chunks go ahead of the next part of a step in progress, and only where
+        # their DiT shape is not the one that step holds (a short utterance's chunk 1 can be)
+        if self.job is not None and (not first or self.decoder.is_held(
+                [(r.stream, 0) for _, r in first])):
             return self._launch_part(t0, events)
         if not ready:
             return LaunchedStep(None, events) if events else None

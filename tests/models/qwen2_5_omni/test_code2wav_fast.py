@@ -269,13 +269,30 @@ def test_stage_first_chunk_goes_between_parts(t2w: Qwen2_5OmniToken2Wav, thread:
         return out
 
     parts, whole = run(4), run(0)
+    # the first chunk's DiT shape held by the step in progress (graphs): it waits for the step
+    monkeypatch.setattr(Qwen2_5OmniCode2WavDecoder, "is_held", lambda self, requests: True)
+    held = run(4)
     assert [rid for rid, _ in parts][:3] == ["a", "b", "a"]  # b's first chunk went ahead
-    assert [rid for rid, _ in whole][:3] == ["a", "a", "b"]
+    assert [rid for rid, _ in whole][:3] == [rid for rid, _ in held][:3] == ["a", "a", "b"]
     for rid in ("a", "b"):
         got = [x for r, x in parts if r == rid]
         want = [x for r, x in whole if r == rid]
         assert len(got) == len(want) == 3
         assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
+        assert all(np.array_equal(x, y) for x, y in zip([x for r, x in held if r == rid], want,
+                                                         strict=True))
+
+
+def test_is_held(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # host logic: a decode whose DiT shape (bucket, width) an unfinished job holds
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    a, b = _stream(t2w, 1, 70, SCHEDULE), _stream(t2w, 2, 70, SCHEDULE)
+    assert not dec.is_held([(a, 0)])
+    dec._live[(1, 48)] = None  # chunk 0: 1 block + 1 look-ahead block
+    assert dec.is_held([(a, 0)]) and not dec.is_held([(a, 0), (b, 0)])  # bucket 2
+    assert not dec.is_held([(a, 2)]) and not dec.is_held([])
+    dec.drop_jobs()
+    assert not dec.is_held([(a, 0)])
 
 
 def test_launch_returns_while_the_decode_is_queued(t2w: Qwen2_5OmniToken2Wav,
