@@ -6,8 +6,8 @@ evaluation, and emits it. One-shot (streaming off): an utterance is decoded whol
 code has arrived, several utterances per batch.
 
 Streaming chunks go through `Qwen2_5OmniCode2WavDecoder` (code2wav_graphs.py): fixed-shape
-padded windows, and on CUDA CUDA graphs per (batch bucket, window width), one per RK4 interval of
-the ODE. A step of later chunks may run in parts (preempt_intervals): first chunks go between."""
+padded windows; on CUDA, graphs per (batch bucket, window width), one per RK4 interval of the
+ODE. A step of later chunks may run in parts (preempt_intervals), first chunks going between."""
 
 from __future__ import annotations
 
