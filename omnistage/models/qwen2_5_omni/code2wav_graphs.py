@@ -112,7 +112,6 @@ class DecodeJob:
     requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]
     config: Qwen2_5OmniCode2WavStreamConfig
     spans: list[Qwen2_5OmniCode2WavSpan]
-    widths: list[int]  # each row's window width
     key: tuple[int, int]  # (bucket, width) of its DiT
     graph: _Graph | None  # graphed: the DiT graph holding the state
     state: DiTState | None = None  # eager: the ODE state
@@ -428,7 +427,7 @@ class Qwen2_5OmniCode2WavDecoder:
         with self._on_device():
             if self.use_graphs and width <= self.max_graph_frames:
                 g = self.dit_graph(bucket, width)
-                job = DecodeJob(rows, config, spans, widths, (bucket, width), g)
+                job = DecodeJob(rows, config, spans, (bucket, width), g)
                 self._claim(job.key, job)
                 self.fill_dit_inputs(g.inputs, rows)
                 return job
@@ -436,7 +435,7 @@ class Qwen2_5OmniCode2WavDecoder:
             self.fill_dit_inputs(buf, rows)
             with _matmul_tf32(self.tf32):
                 state = self.fast.begin(*(buf[k] for k in DIT_INPUTS))
-        return DecodeJob(rows, config, spans, widths, (bucket, width), None, state)
+        return DecodeJob(rows, config, spans, (bucket, width), None, state)
 
     @torch.inference_mode()
     def advance(self, job: DecodeJob, intervals: int) -> bool:
@@ -459,7 +458,8 @@ class Qwen2_5OmniCode2WavDecoder:
             raise ValueError(f"job: {job.done} of {len(self.fast.widths)} intervals run")
         with self._on_device():
             x = job.graph.state.x if job.graph is not None else job.state.x
-            mels = [x[j, :w].clone() for j, w in enumerate(job.widths)]
+            mels = [x[j, :w1 - w0].clone() for j, (w0, w1) in
+                    enumerate(sp.window for sp in job.spans)]
             self._live.pop(job.key, None)
             wavs = self.vocode(job.spans, mels, job.config)
         return assemble_chunks(self.model, job.requests, job.spans, mels, wavs)

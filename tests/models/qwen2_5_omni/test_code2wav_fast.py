@@ -344,16 +344,23 @@ def test_compiled_steps_equal_eager(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert diff < 1e-5, diff
 
 
-@pytest.mark.gpu
-def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
-    # the default CUDA decoder (compiled DiT inside CUDA graphs) vs eager on the same GPU
+def _cuda_streams(t2w: Qwen2_5OmniToken2Wav, requests: tuple[tuple[int, int], ...]
+                  ) -> tuple[Qwen2_5OmniToken2Wav, list[Qwen2_5OmniCode2WavStream]]:
+    """A CUDA copy of the model and a finished stream per (seed, codes) on it."""
     import copy
     model = copy.deepcopy(t2w).cuda()
     streams = []
-    for seed, n in ((40, 30), (41, 70)):
+    for seed, n in requests:
         codes, cond, ref_mel = _request(seed, n)
         streams.append(Qwen2_5OmniCode2WavStream(model, cond.cuda(), ref_mel.cuda(), seed))
         streams[-1].add_codes(codes, finished=True)
+    return model, streams
+
+
+@pytest.mark.gpu
+def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # the default CUDA decoder (compiled DiT inside CUDA graphs) vs eager on the same GPU
+    model, streams = _cuda_streams(t2w, ((40, 30), (41, 70)))
     reqs = [(streams[0], 2), (streams[1], 3), (streams[1], 0)]  # 3 rows: bucket 4, width 96
     eager = Qwen2_5OmniCode2WavDecoder(model, cuda_graphs=False).decode(reqs)
     dec = Qwen2_5OmniCode2WavDecoder(model)
@@ -371,13 +378,7 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 def test_graphed_job_in_parts_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     # the graphed DiT run interval by interval with another shape's graphs in between equals
     # the graphs back to back; the job's shape is refused to other decodes until it finishes
-    import copy
-    model = copy.deepcopy(t2w).cuda()
-    streams = []
-    for seed, n in ((40, 30), (41, 70)):
-        codes, cond, ref_mel = _request(seed, n)
-        streams.append(Qwen2_5OmniCode2WavStream(model, cond.cuda(), ref_mel.cuda(), seed))
-        streams[-1].add_codes(codes, finished=True)
+    model, streams = _cuda_streams(t2w, ((40, 30), (41, 70)))
     reqs = [(streams[0], 2), (streams[1], 3)]  # bucket 2, width 96
     dec = Qwen2_5OmniCode2WavDecoder(model, compile=False)
     want = dec.decode(reqs)
@@ -396,11 +397,7 @@ def test_graphed_job_in_parts_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     # BigVGAN's convs in fp16 / bf16 (autocast) vs strict float32 on the same GPU, graphs and
     # eager (the DiT runs float32 in both; its speaker encoder's convs differ by TF32 only)
-    import copy
-    model = copy.deepcopy(t2w).cuda()
-    codes, cond, ref_mel = _request(42, 70)
-    stream = Qwen2_5OmniCode2WavStream(model, cond.cuda(), ref_mel.cuda(), 42)
-    stream.add_codes(codes, finished=True)
+    model, (stream,) = _cuda_streams(t2w, ((42, 70),))
     reqs = [(stream, 1), (stream, 2)]
     ref = Qwen2_5OmniCode2WavDecoder(model, cuda_graphs=False, vocoder_dtype="float32")
     torch.backends.cudnn.allow_tf32, tf32 = False, torch.backends.cudnn.allow_tf32
