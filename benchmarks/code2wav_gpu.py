@@ -393,9 +393,22 @@ class Bench:
             out["probe_alone_ms"] = timed(probe.replay, 20)
         with torch.cuda.stream(lo):
             out["dit_alone_ms"] = timed(g.replay, 3)
+        # green_K: the DiT on a green context that leaves K SMs to the probe (the probe stays
+        # on the primary context: it may use every SM the DiT leaves idle)
+        dit_streams = {"interval_graphs": lo}
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        for free in GREEN_FREE_SMS:
+            try:
+                dit_streams[f"green_{free}"] = green_stream(sms - free, dev)
+            except Exception as e:  # noqa: BLE001 - the API is beta; the other modes still run
+                out[f"green_{free}"] = {"error": f"{type(e).__name__}: {e}"}
+        for mode, stream in dit_streams.items():
+            if mode != "interval_graphs":
+                with torch.cuda.stream(stream):
+                    out[f"dit_alone_ms_{mode}"] = timed(g.replay, 3)
 
         def launch_dit(mode: str, marks: dict) -> None:
-            with torch.cuda.stream(lo):
+            with torch.cuda.stream(dit_streams[mode]):
                 marks["start"].record()
                 t = time.perf_counter()
                 g.replay()
@@ -403,7 +416,7 @@ class Bench:
                 marks["end"].record()
             marks["recorded"].set()
 
-        for mode in ("interval_graphs",):
+        for mode in dit_streams:
             for _ in range(2):  # the second run is the one reported (the first warms)
                 sync()
                 marks = {"start": torch.cuda.Event(enable_timing=True),
@@ -432,6 +445,7 @@ class Bench:
             t1 = base.elapsed_time(marks["end"])
             during = [e for e in ends if t0 <= base.elapsed_time(e) <= t1]
             dit_ms = t1 - t0
+            alone = out.get(f"dit_alone_ms_{mode}", out["dit_alone_ms"])
             out[mode] = {
                 "dit_ms": round(dit_ms, 1), "dit_launch_host_ms": round(marks["launch_ms"], 1),
                 "probe_steps_during_dit": len(during),
@@ -439,8 +453,29 @@ class Bench:
                 "probe_launch_host_ms_max": round(max(host_ms), 2),
                 "probe_launch_host_ms_p50": round(sorted(host_ms)[len(host_ms) // 2], 3),
                 "overlap_gain": round((out["dit_alone_ms"] + len(during) * out["probe_alone_ms"])
-                                      / dit_ms, 3)}
+                                      / dit_ms, 3),
+                "dit_slowdown_alone": round(alone / out["dit_alone_ms"], 3)}
         return out
+
+
+GREEN_FREE_SMS = (16, 32)  # overlap: SMs a green context keeps free of the DiT
+
+
+def green_stream(num_sms: int, dev: torch.device) -> torch.cuda.Stream:
+    """A stream whose kernels run on num_sms SMs only (a CUDA green context)."""
+    from torch.cuda.green_contexts import GreenContext
+    ctx = GreenContext.create(num_sms=num_sms, device_id=dev.index or 0)
+    GREEN_CONTEXTS.append(ctx)  # kept alive as long as its stream
+    if hasattr(ctx, "Stream"):
+        return ctx.Stream()
+    ctx.set_context()  # older API: a stream made while the green context is current
+    try:
+        return torch.cuda.Stream(dev)
+    finally:
+        ctx.pop_context()
+
+
+GREEN_CONTEXTS: list = []
 
 
 def compare(got: list, ref: list) -> dict:

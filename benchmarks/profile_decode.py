@@ -1,5 +1,5 @@
 """Decode-step cost of the AR engine at Qwen2.5-Omni-7B shapes (random bf16 weights, CUDA
-graphs): thinker greedy ms/token at batch 1/8/32 and talker ms/code at batch 1/8 with the
+graphs): thinker greedy ms/token and talker ms/code at batch 1/8/32 (--batches), with the
 talker's sampling params (temperature 0.9, top_k 40, top_p 0.8, repetition penalty 1.05,
 suppressed codec bos, min_tokens holding back the stop codes), each with the device-state
 sampler inside the graphs ("device") and the older host-built sampler ("legacy",
@@ -205,10 +205,10 @@ def section(res: dict, name: str, engine: AREngine, make, batches, steps: int, d
 def run_thinker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
     try:
         thinker = build(Qwen2_5OmniThinkerForCausalLM, cfg["thinker_config"], dev, dtype)
-        eng = AREngine(thinker, EngineConfig(max_model_len=1024, max_num_seqs=32,
-                                             num_kv_blocks=1024), dev, dtype)
+        eng = AREngine(thinker, EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
+                                             num_kv_blocks=2048), dev, dtype)
         vocab = thinker.vocab_size
-        section(res, "thinker", eng, lambda B, tag: thinker_seqs(vocab, B, n, tag), (1, 8, 32),
+        section(res, "thinker", eng, lambda B, tag: thinker_seqs(vocab, B, n, tag), args.batches,
                 args.steps, dev)
         if args.profile:
             seqs = thinker_seqs(vocab, 1, 10 ** 4, "prof")
@@ -235,10 +235,10 @@ def run_thinker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
 def run_talker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
     try:
         talker = build(Qwen2_5OmniTalkerForCausalLM, cfg["talker_config"], dev, dtype)
-        eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=32,
-                                            num_kv_blocks=2048), dev, dtype)
+        eng = AREngine(talker, EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
+                                            num_kv_blocks=4096), dev, dtype)
         section(res, "talker", eng, lambda B, tag: talker_seqs(talker, 60, n, B, tag, dev, dtype),
-                (1, 8, 32), args.steps, dev)
+                args.batches, args.steps, dev)
     except Exception as e:  # noqa: BLE001
         res["talker_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc(file=sys.stderr)
@@ -256,7 +256,14 @@ def main() -> None:
                     help="also time a batch-1 prefill of the 60-token prompt (and profile it)")
     ap.add_argument("--device-only", action="store_true",
                     help="skip the legacy host-built sampler cases")
+    ap.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     args = ap.parse_args()
+    try:
+        args.batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise SystemExit(f"--batches: comma-separated ints, got {args.batches!r}") from None
+    if not args.batches or min(args.batches) < 1:
+        raise SystemExit(f"--batches: sizes >= 1, got {args.batches}")
     global KERNEL_PROFILE, MODES, PREFILL
     KERNEL_PROFILE, PREFILL = args.kernels, args.prefill
     if args.device_only:

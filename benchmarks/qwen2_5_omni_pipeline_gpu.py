@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import faulthandler
 import importlib.machinery
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -172,7 +175,8 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: floa
     if out.error:
         raise RuntimeError(f"request failed: {out.error}")
     m = out.metrics
-    return {"ttft": m.ttft, "ttfa": m.ttfa, "e2e": m.e2e, "audio_s": samples / SR,
+    return {"request_id": out.request_id, "t_submit": t_submit, "delay_s": delay_s,
+            "ttft": m.ttft, "ttfa": m.ttfa, "e2e": m.e2e, "audio_s": samples / SR,
             "chunks": chunks, "chunk_at": chunk_at, "client_ttft": first_text,
             "client_ttfa": first_audio,
             "client_e2e": time.perf_counter() - t_submit,
@@ -180,49 +184,152 @@ async def one_request(llm: AsyncOmniLLM, ids: list[int], sp: dict, delay_s: floa
 
 
 C2W_TRACE: list[tuple] = []  # code2wav steps, see trace_code2wav
-C2W_PHASES = ("fill_dit_inputs", "sample_windows", "vocode")  # decoder methods timed per launch
+FIRST_READY: dict[str, float] = {}  # request id -> when its first chunk's codes were all in
+FIRST_LAUNCH: dict[str, float] = {}  # request id -> when the step with its first chunk launched
 
 
 def trace_code2wav(llm: AsyncOmniLLM) -> None:
-    """Record each code2wav step (in this process) as (launch start, launch end, collect
-    start, rows, host ms in each of C2W_PHASES) perf_counter times: where its time goes
-    between the GPU and the host."""
+    """Record each code2wav launch (in this process) as (launch start, launch end, collect
+    start, first chunks, later chunks, "step" or "part") perf_counter times, a part's later
+    chunks being its step's; and per request when its first chunk became ready and when it was
+    launched (FIRST_READY, FIRST_LAUNCH): where a request's time to first audio goes."""
     stage = llm.pipeline.workers.get("code2wav")
     if stage is None or not hasattr(stage, "launch") or stage.stream_config is None:
         return
-    launch, collect, decoder = stage.launch, stage.collect, stage.decoder
+    launch, collect, add_codes = stage.launch, stage.collect, stage.add_codes
     started: dict[int, tuple] = {}
-    phase_ms = dict.fromkeys(C2W_PHASES, 0.0)
 
-    def timed_phase(name: str, fn):
-        def run(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                phase_ms[name] += 1e3 * (time.perf_counter() - t)
-        return run
-
-    for name in C2W_PHASES:
-        setattr(decoder, name, timed_phase(name, getattr(decoder, name)))
+    def traced_add_codes(request_id: str, codes: list[int], finished: bool) -> None:
+        add_codes(request_id, codes, finished)
+        req = stage.requests.get(request_id)
+        if request_id not in FIRST_READY and req is not None and req.stream is not None \
+                and req.next_chunk == 0 and req.stream.ready_chunks() > 0:
+            FIRST_READY[request_id] = time.perf_counter()
 
     def traced_launch():
         t = time.perf_counter()
-        phase_ms.update(dict.fromkeys(C2W_PHASES, 0.0))
         out = launch()
         if out is not None and out.state is not None:
-            started[id(out)] = (t, time.perf_counter(), len(out.state[0]),
-                                [round(phase_ms[n], 1) for n in C2W_PHASES])
+            ready = out.state[0]
+            first = [rid for rid, r in ready if r.next_chunk == 0]
+            for rid in first:
+                FIRST_LAUNCH.setdefault(rid, t)
+            part = not first and stage.job is not None
+            later = len(stage.job.ready) if part else len(ready) - len(first)
+            started[id(out)] = (t, time.perf_counter(), len(first), later,
+                                "part" if part else "step")
         return out
 
     def traced_collect(launched):
         t = time.perf_counter()
         begun = started.pop(id(launched), None)
         if begun is not None and len(C2W_TRACE) < 100_000:
-            C2W_TRACE.append((begun[0], begun[1], t, begun[2], begun[3]))
+            C2W_TRACE.append((begun[0], begun[1], t, *begun[2:]))
         return collect(launched)
 
-    stage.launch, stage.collect = traced_launch, traced_collect
+    stage.launch, stage.collect, stage.add_codes = traced_launch, traced_collect, traced_add_codes
+
+
+HOST_CALLS: list[tuple] = []  # (start, seconds, what) of traced host calls
+SLOW_CALL_S = 0.1  # calls listed one by one in a round's slow_calls
+# --profile-host: a cProfile of the orchestrator thread's traced calls during those rounds
+HOST_PROFILE: dict[str, cProfile.Profile | int | None] = {"profile": None, "depth": 0}
+
+
+def trace_host_calls(llm: AsyncOmniLLM) -> None:
+    """Time the stage hosts' launch/collect/step/receive, the orchestrator's event routing and
+    code2wav's decoder calls (on the stage's launcher thread): what the host does, and what
+    stalls the pipeline."""
+    def timed(obj, attr: str, what: str, profiled: bool = True) -> None:
+        fn = getattr(obj, attr)
+
+        def run(*a, **kw):
+            t = time.perf_counter()
+            prof = HOST_PROFILE["profile"] if profiled and not HOST_PROFILE["depth"] else None
+            HOST_PROFILE["depth"] += profiled
+            if prof is not None:
+                prof.enable()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if prof is not None:
+                    prof.disable()
+                HOST_PROFILE["depth"] -= profiled
+                if len(HOST_CALLS) < 2_000_000:
+                    HOST_CALLS.append((t, time.perf_counter() - t, what))
+        setattr(obj, attr, run)
+
+    for name, host in llm.runtime.local.items():
+        for attr in ("launch", "collect", "step", "receive"):
+            timed(host, attr, f"{name}.{attr}")
+    timed(llm.runtime, "_route", "route")  # a stage event to the client and downstream
+    stage = llm.pipeline.workers.get("code2wav")
+    if stage is not None and stage.stream_config is not None:
+        for attr in ("decode", "begin_job", "advance", "finish"):  # (the launcher thread's)
+            timed(stage.decoder, attr, f"decoder.{attr}", profiled=False)
+
+
+TRITON_COMPILES: list[tuple] = []  # (time, kernel and specialization) of each Triton compile
+
+
+def trace_triton_compiles() -> None:
+    """Record each Triton kernel compiled from now on (a round that compiles shows it)."""
+    import triton
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:  # older Triton: no compile hook to set
+        return
+
+    def hook(*args, **kwargs) -> bool:
+        if len(TRITON_COMPILES) < 10_000:
+            TRITON_COMPILES.append((time.perf_counter(), str(kwargs.get("repr", "?"))[:400]))
+        return False
+    knobs.runtime.jit_post_compile_hook = hook
+
+
+def host_call_totals(calls: list[tuple]) -> dict[str, list]:
+    """what -> [calls, total host seconds, largest seconds]."""
+    out: dict[str, list] = {}
+    for _, dt, what in calls:
+        n, total, top = out.get(what, (0, 0.0, 0.0))
+        out[what] = [n + 1, total + dt, max(top, dt)]
+    return {k: [n, round(total, 3), round(top, 4)] for k, (n, total, top) in sorted(out.items())}
+
+
+def ttfa_parts(rows: list[dict]) -> dict:
+    """Where time to first audio went: ar_s (submit -> first chunk's codes in), wait_s (-> its
+    step launched), step_s (-> audio at the client); the medians, and the parts of the
+    requests with the median and the largest TTFA."""
+    parts = []
+    for r in rows:
+        ready, start = FIRST_READY.get(r["request_id"]), FIRST_LAUNCH.get(r["request_id"])
+        if ready is None or start is None or r["client_ttfa"] is None:
+            continue
+        parts.append({"ttfa_s": round(r["client_ttfa"], 3),
+                      "ar_s": round(ready - r["t_submit"], 3), "wait_s": round(start - ready, 3),
+                      "step_s": round(r["t_submit"] + r["client_ttfa"] - start, 3),
+                      "arrival_s": round(r["delay_s"], 3)})
+    if not parts:
+        return {}
+    by_ttfa = sorted(parts, key=lambda p: p["ttfa_s"])
+    return {"median": {k: round(statistics.median(p[k] for p in parts), 3)
+                       for k in ("ar_s", "wait_s", "step_s")},
+            "p50_request": by_ttfa[len(by_ttfa) // 2], "max_request": by_ttfa[-1]}
+
+
+def dynamo_frames() -> int:
+    """Frames torch.compile has compiled so far (a round that compiles shows a rise)."""
+    from torch._dynamo.utils import counters
+    return int(counters["frames"]["ok"])
+
+
+def stage_graphs(llm: AsyncOmniLLM) -> dict[str, float]:
+    """Graph counts and capture/compile seconds of code2wav's decoder: a round that captures
+    or compiles (a shape the warm-up missed) shows here."""
+    stage = llm.pipeline.workers.get("code2wav")
+    if stage is None or getattr(stage, "_decoder", None) is None:
+        return {}
+    return {k: v for k, v in stage.decoder.stats().items()
+            if k in ("dit_graphs", "vocoder_graphs", "compile_seconds", "capture_seconds")}
 
 
 def stage_stats(llm: AsyncOmniLLM) -> dict:
@@ -234,12 +341,15 @@ def stage_stats(llm: AsyncOmniLLM) -> dict:
 
 
 async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int,
-                    stagger_s: float = 0.0) -> dict:
+                    stagger_s: float = 0.0, profile_host: bool = False) -> dict:
     # stagger_s: the requests arrive evenly over this many seconds (0: all at once)
     sp = stage_params(text_tokens, codes)
     ids = prompts(c, 63, seed)
     before = stage_stats(llm)
-    n_trace = len(C2W_TRACE)
+    compiles_before = dynamo_frames()
+    HOST_PROFILE["profile"] = cProfile.Profile() if profile_host else None
+    n_trace, n_calls, n_triton = len(C2W_TRACE), len(HOST_CALLS), len(TRITON_COMPILES)
+    graphs_before = stage_graphs(llm)
     t0 = time.perf_counter()
     try:
         rows = await asyncio.wait_for(
@@ -252,6 +362,12 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
               flush=True)
         os._exit(3)
     wall = time.perf_counter() - t0
+    prof, HOST_PROFILE["profile"] = HOST_PROFILE["profile"], None
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        print(f"host profile (orchestrator thread), c{c} stagger {stagger_s} s:\n"
+              f"{out.getvalue()[:12000]}", file=sys.stderr, flush=True)
     await asyncio.sleep(0.2)  # stage processes report their stats right after going idle
     after = stage_stats(llm)
     audio = sum(r["audio_s"] for r in rows)
@@ -284,18 +400,32 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     res["loop_busy_fraction"] = round(sum(busy.values()) / wall, 3)
     res["code2wav_batch_mean"] = round(c2w_chunks / max(1, steps.get("code2wav", 1)), 2)
     res["code2wav_alone_steps"] = after["c2w_alone"] - before["c2w_alone"]
-    # [launch at (s), launch host ms, collected at (s), rows, [host ms of C2W_PHASES]] per
-    # code2wav step of the round
-    res["code2wav_steps"] = [[round(a - t0, 3), round(1e3 * (b - a), 1), round(c - t0, 3), n, ph]
-                             for a, b, c, n, ph in C2W_TRACE[n_trace:]]
+    res["ttfa_parts"] = ttfa_parts(rows)
+    calls = HOST_CALLS[n_calls:]
+    res["slow_calls"] = [[round(a - t0, 3), round(b, 3), w] for a, b, w in calls
+                         if b > SLOW_CALL_S]
+    first_audio = min((t0 + r["delay_s"] + r["client_ttfa"] for r in rows
+                       if r["client_ttfa"] is not None), default=t0 + wall)
+    res["host_calls"] = {"round": host_call_totals(calls),
+                         "before_first_audio": host_call_totals(
+                             [c for c in calls if c[0] < first_audio])}
+    res["dynamo_frames_compiled"] = dynamo_frames() - compiles_before
+    res["triton_compiles"] = [[round(t - t0, 3), what] for t, what in TRITON_COMPILES[n_triton:]]
+    res["graphs_new"] = {k: v - graphs_before.get(k, 0) for k, v in stage_graphs(llm).items()
+                         if v != graphs_before.get(k, 0)}
+    # [launch at (s), launch host ms, collected at (s), first chunks, later chunks, kind] per
+    # code2wav launch of the round
+    res["code2wav_steps"] = [[round(a - t0, 3), round(1e3 * (b - a), 1), round(c - t0, 3), *rest]
+                             for a, b, c, *rest in C2W_TRACE[n_trace:]]
     return res
 
 
 async def repeated_round(llm: AsyncOmniLLM, c: int, repeats: int, text_tokens: int,
-                         codes: int, seed: int) -> dict:
+                         codes: int, seed: int, profile_host: bool = False) -> dict:
     """run_round `repeats` times (one after another): the round with the median RTF, with the
     medians of every round's p50s and each repeat's TTFA and RTF listed."""
-    runs = [await run_round(llm, c, text_tokens, codes, seed + 7919 * i) for i in range(repeats)]
+    runs = [await run_round(llm, c, text_tokens, codes, seed + 7919 * i, profile_host=profile_host)
+            for i in range(repeats)]
     if repeats == 1:
         return runs[0]
     runs.sort(key=lambda r: r["rtf"]["p50"])
@@ -401,6 +531,7 @@ def sync_dev(dev: torch.device) -> None:
 
 async def main_async(args, res: dict, save) -> None:
     dev = torch.device(args.device or ("cpu" if args.small else "cuda"))
+    profile_host = {n for n in args.profile_host.split(",") if n}
     ckpt = Path(args.ckpt)
     t0 = time.perf_counter()
     if args.profile_code2wav:
@@ -443,6 +574,8 @@ async def main_async(args, res: dict, save) -> None:
                        code2wav_window=window)
     res["load_s"] = round(time.perf_counter() - t1, 1)
     trace_code2wav(llm)
+    trace_host_calls(llm)
+    trace_triton_compiles()
     if dev.type == "cuda":
         res["mem_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         res["kv_blocks"] = {n: e.runner.num_blocks for n, e in llm.pipeline.engines.items()}
@@ -525,12 +658,13 @@ async def main_async(args, res: dict, save) -> None:
                 w.gpu = shared if mode == "ar_shared" else StageStream(w.device, priority=-1)
         try:
             if staggered:
-                res["runs"][name] = await run_round(llm, c, args.text_tokens, args.codes,
-                                                    seed=c, stagger_s=args.stagger_window_s)
+                res["runs"][name] = await run_round(
+                    llm, c, args.text_tokens, args.codes, seed=c,
+                    stagger_s=args.stagger_window_s, profile_host=name in profile_host)
             else:
                 res["runs"][name] = await repeated_round(
                     llm, c, args.c1_repeats if c == 1 else 1, args.text_tokens, args.codes,
-                    seed=c)
+                    seed=c, profile_host=name in profile_host)
         finally:
             llm.runtime.overlap = overlap
             for e, on in zip(engines, async_on):
@@ -614,6 +748,9 @@ def main() -> None:
     ap.add_argument("--hf-json", default="",
                     help="comma-separated qwen2_5_omni_gpu.py --hf-only JSONs (the same weights): "
                          "adds vs_hf_same_weights")
+    ap.add_argument("--profile-host", default="",
+                    help="rounds (by name: c64, c32_staggered, ...) whose orchestrator-thread "
+                         "host calls are cProfiled (top functions on stderr)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.watchdog_s:
