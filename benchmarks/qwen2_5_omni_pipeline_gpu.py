@@ -281,7 +281,8 @@ def trace_triton_compiles() -> None:
 
     def hook(*args, **kwargs) -> bool:
         if len(TRITON_COMPILES) < 10_000:
-            TRITON_COMPILES.append((time.perf_counter(), str(kwargs.get("repr", "?"))[:400]))
+            what = str(kwargs.get("repr", "?")).split("[")[0]  # the kernel, its specialization:
+            TRITON_COMPILES.append((time.perf_counter(), f"{what} {kwargs.get('key')!s:.600}"))
         return False
     knobs.runtime.jit_post_compile_hook = hook
 
@@ -593,6 +594,9 @@ async def main_async(args, res: dict, save) -> None:
     res["warmup_codes"] = warm_codes
     for c in warm:  # warm-up: torch.compile, Triton, graph capture per batch size
         await run_round(llm, c, 8, warm_codes, seed=1000 + c)
+    if args.warmup_staggered:  # batches that mix prefills, decodes and sampling states
+        await run_round(llm, args.warmup_staggered, 8, warm_codes, seed=999,
+                        stagger_s=args.stagger_window_s / 2)
     res["warmup_s"] = round(time.perf_counter() - t2, 1)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -708,6 +712,11 @@ def main() -> None:
                     help="concurrencies also run with arrivals spread evenly over "
                          "--stagger-window-s")
     ap.add_argument("--stagger-window-s", type=float, default=6.0)
+    ap.add_argument("--warmup-staggered", type=int, default=0,
+                    help="also a warm-up round of this many requests arriving over half the "
+                         "stagger window (Triton specializes kernels on what mixed batches "
+                         "bring: H100, 4 JIT compiles in a staggered round after all-at-once "
+                         "warm-ups, each holding the orchestrator 0.5-1.1 s)")
     ap.add_argument("--first-shared", default="",
                     help="concurrencies also run with first audio chunks sharing the GPU with "
                          "the AR stages (OMNISTAGE_FIRST_CHUNK_ALONE=0 for that round)")
