@@ -21,6 +21,13 @@ import triton
 import triton.language as tl
 
 _NEG_INF = tl.constexpr(float("-inf"))
+# NOTE: the kernels' branch flags are bits of one runtime int (FLAGS), not constexprs, so a
+# batch with a new mix of sampling states (penalties, bans, forced ids, top-k/p, min-p) does
+# not compile a new kernel mid-serving: H100, requests arriving over 6 s compiled _prep_kernel
+# once and _warp_draw_kernel twice after all-at-once warm-ups, each holding the orchestrator
+# 0.5-1.1 s. (do_not_specialize: Triton would also specialize FLAGS == 1.)
+_PEN, _BAN, _FORCE, _UPDATE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4), tl.constexpr(8)
+_TOP_K, _TOP_P, _MIN_P = tl.constexpr(16), tl.constexpr(32), tl.constexpr(64)
 
 
 @triton.jit
@@ -51,20 +58,21 @@ def _neg_log_gumbel(key, ids):
     return tl.log(-tl.log(u))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["FLAGS"])
 def _prep_kernel(logits_ptr, stride_l, slots_ptr, steps_ptr, bits_ptr, counts_ptr, fparams_ptr,
-                 iparams_ptr, w_ptr, pa_ptr, pb_ptr, V, C,
-                 MODE: tl.constexpr, PEN: tl.constexpr, BAN: tl.constexpr,
-                 BITS: tl.constexpr, BLOCK: tl.constexpr):
+                 iparams_ptr, w_ptr, pa_ptr, pb_ptr, V, C, FLAGS,
+                 MODE: tl.constexpr, BLOCK: tl.constexpr):
     # MODE 0: greedy scores, 1: + Gumbel noise on sampled rows, 2: write warped logits
     r, c = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + r)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     inr = offs < V
     x = tl.load(logits_ptr + r * stride_l + offs, mask=inr, other=_NEG_INF).to(tl.float32)
-    if BITS:  # PEN or BAN
+    pen, ban = (FLAGS & _PEN) != 0, (FLAGS & _BAN) != 0
+    b = tl.zeros([BLOCK], dtype=bits_ptr.dtype.element_ty)
+    if (FLAGS & (_PEN | _BAN)) != 0:
         b = tl.load(bits_ptr + slot * V + offs, mask=inr, other=0)
-    if PEN:
+    if pen:
         rp = tl.load(fparams_ptr + slot * 6 + 3)
         pres = tl.load(fparams_ptr + slot * 6 + 4)
         freq = tl.load(fparams_ptr + slot * 6 + 5)
@@ -73,7 +81,7 @@ def _prep_kernel(logits_ptr, stride_l, slots_ptr, steps_ptr, bits_ptr, counts_pt
         x = tl.where(seen, tl.where(x < 0, x * rp, tl.math.div_rn(x, rp)), x)
         x = x - freq * cnt
         x = x - pres * (cnt > 0).to(tl.float32)
-    if BAN:
+    if ban:
         early = tl.load(steps_ptr + r) < tl.load(iparams_ptr + slot * 3 + 2)
         x = tl.where(((b & 2) != 0) | (((b & 4) != 0) & early), _NEG_INF, x)
     x = tl.where(inr, x, _NEG_INF)
@@ -98,27 +106,26 @@ def _prep_kernel(logits_ptr, stride_l, slots_ptr, steps_ptr, bits_ptr, counts_pt
 
 
 @triton.jit
-def _emit(r, tok, slot, force_ptr, counts_ptr, out_ptr, V,
-          HAS_FORCE: tl.constexpr, UPDATE: tl.constexpr):
+def _emit(r, tok, slot, force_ptr, counts_ptr, out_ptr, V, FLAGS):
     tok = tok.to(tl.int64)
-    if HAS_FORCE:
+    if (FLAGS & _FORCE) != 0:
         f = tl.load(force_ptr + r)
         tok = tl.where(f >= 0, f, tok)
     tl.store(out_ptr + r, tok)
-    if UPDATE:
+    if (FLAGS & _UPDATE) != 0:
         tl.atomic_add(counts_ptr + slot * V + tok, 1.0)
 
 
-@triton.jit
-def _finish_kernel(pa_ptr, pb_ptr, slots_ptr, force_ptr, counts_ptr, out_ptr, V, C,
-                   HAS_FORCE: tl.constexpr, UPDATE: tl.constexpr, CBLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["FLAGS"])
+def _finish_kernel(pa_ptr, pb_ptr, slots_ptr, force_ptr, counts_ptr, out_ptr, V, C, FLAGS,
+                   CBLOCK: tl.constexpr):
     r = tl.program_id(0)
     c = tl.arange(0, CBLOCK)
     v = tl.load(pa_ptr + r * C + c, mask=c < C, other=_NEG_INF)
     t = tl.load(pb_ptr + r * C + c, mask=c < C, other=V)
     bm = tl.max(v, axis=0)
     tok = tl.min(tl.where((c < C) & (v == bm), t, V), axis=0)
-    _emit(r, tok, tl.load(slots_ptr + r), force_ptr, counts_ptr, out_ptr, V, HAS_FORCE, UPDATE)
+    _emit(r, tok, tl.load(slots_ptr + r), force_ptr, counts_ptr, out_ptr, V, FLAGS)
 
 
 # The helpers below read a row sorted descending through `top`: position i is top - i.
@@ -200,11 +207,9 @@ def _min_p_end(top, n, d0, z, thr, BLOCK: tl.constexpr):
     return end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["FLAGS"])
 def _warp_draw_kernel(vals_ptr, ids_ptr, pa_ptr, pb_ptr, slots_ptr, steps_ptr, force_ptr,
-                      fparams_ptr, iparams_ptr, counts_ptr, out_ptr, V, C,
-                      TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                      HAS_FORCE: tl.constexpr, UPDATE: tl.constexpr,
+                      fparams_ptr, iparams_ptr, counts_ptr, out_ptr, V, C, FLAGS,
                       BLOCK: tl.constexpr, CBLOCK: tl.constexpr):
     # vals/ids: [N, V] ascending stable sort of the warped logits and its indices
     r = tl.program_id(0)
@@ -212,12 +217,12 @@ def _warp_draw_kernel(vals_ptr, ids_ptr, pa_ptr, pb_ptr, slots_ptr, steps_ptr, f
     top, itop = vals_ptr + r * V + V - 1, ids_ptr + r * V + V - 1
     d0 = tl.load(top)
     m = V  # top-k: all values >= the k-th largest
-    if TOP_K:
+    if (FLAGS & _TOP_K) != 0:
         k = tl.minimum(tl.load(iparams_ptr + slot * 3).to(tl.int32), V)
         if k > 0:
             m = _run_end(top, k, tl.load(top - (k - 1)), V, BLOCK)
     keep = m
-    if TOP_P:
+    if (FLAGS & _TOP_P) != 0:
         top_p = tl.load(fparams_ptr + slot * 6 + 1)
         if top_p < 1.0:
             if m == V:  # the softmax normaliser from prep's chunks (their max is d0)
@@ -229,7 +234,7 @@ def _warp_draw_kernel(vals_ptr, ids_ptr, pa_ptr, pb_ptr, slots_ptr, steps_ptr, f
             else:
                 z = _sum_exp(top, m, d0, BLOCK)
                 keep = _top_p_end_up(top, m, d0, z, 1.0 - top_p, BLOCK)
-    if MIN_P:
+    if (FLAGS & _MIN_P) != 0:
         min_p = tl.load(fparams_ptr + slot * 6 + 2)
         if min_p > 0.0:
             z2 = _sum_exp(top, keep, d0, BLOCK)
@@ -252,7 +257,7 @@ def _warp_draw_kernel(vals_ptr, ids_ptr, pa_ptr, pb_ptr, slots_ptr, steps_ptr, f
         take = (bm > best) | ((bm == best) & (bt < tok))
         best = tl.where(take, bm, best)
         tok = tl.where(take, bt, tok)
-    _emit(r, tok, slot, force_ptr, counts_ptr, out_ptr, V, HAS_FORCE, UPDATE)
+    _emit(r, tok, slot, force_ptr, counts_ptr, out_ptr, V, FLAGS)
 
 
 def sample_rows(state, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
@@ -272,22 +277,22 @@ def sample_rows(state, logits: torch.Tensor, slots: torch.Tensor, steps: torch.T
     pb = torch.empty(N, C, dtype=torch.int32 if mode < 2 else torch.float32, device=dev)
     w = torch.empty(N, V, dtype=torch.float32, device=dev) if mode == 2 else pa
     force_arg = force if force is not None else slots
+    bits = sum(bit.value for bit, on in (
+        (_PEN, flags.penalties), (_BAN, flags.banned), (_FORCE, force is not None),
+        (_UPDATE, update), (_TOP_K, flags.any_top_k), (_TOP_P, flags.any_top_p),
+        (_MIN_P, flags.any_min_p)) if on)
     _prep_kernel[(N, C)](logits, logits.stride(0), slots, steps, state.bits, state.counts,
-                         state.fparams, state.iparams, w, pa, pb, V, C, MODE=mode,
-                         PEN=flags.penalties, BAN=flags.banned,
-                         BITS=flags.penalties or flags.banned, BLOCK=block, num_warps=4,
+                         state.fparams, state.iparams, w, pa, pb, V, C, bits, MODE=mode,
+                         BLOCK=block, num_warps=4,
                          enable_fp_fusion=False)  # mul, sub rounded as torch does
     cblock = triton.next_power_of_2(C)
     if mode < 2:
-        _finish_kernel[(N,)](pa, pb, slots, force_arg, state.counts, out, V, C,
-                             HAS_FORCE=force is not None, UPDATE=update, CBLOCK=cblock,
-                             num_warps=1)
+        _finish_kernel[(N,)](pa, pb, slots, force_arg, state.counts, out, V, C, bits,
+                             CBLOCK=cblock, num_warps=1)
         return out
     vals, ids = torch.sort(w, dim=-1, stable=True)
     _warp_draw_kernel[(N,)](vals, ids, pa, pb, slots, steps, force_arg, state.fparams,
-                            state.iparams, state.counts, out, V, C,
-                            TOP_K=flags.any_top_k, TOP_P=flags.any_top_p, MIN_P=flags.any_min_p,
-                            HAS_FORCE=force is not None, UPDATE=update,
+                            state.iparams, state.counts, out, V, C, bits,
                             BLOCK=256 if V <= 16384 else 1024, CBLOCK=cblock,
                             num_warps=4 if V <= 16384 else 8)
     return out

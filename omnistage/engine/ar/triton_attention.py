@@ -85,7 +85,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,
@@ -172,7 +172,11 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+# NOTE: stride_bt (the step's widest block table) grows with the sequences; Triton specializes
+# ints equal to 1 or divisible by 16, so each such width would compile a new kernel mid-serving.
+# H100: requests arriving over 6 s, after all-at-once warm-ups, compiled this kernel once more
+# (~1.1 s stall); stride_bt is the one int argument of it that changes while serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     scale_log2,
