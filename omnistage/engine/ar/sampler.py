@@ -272,10 +272,16 @@ class SamplerState:
 
     def device_inputs(self, step: StepSampling
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """[N] long slots, steps, forced ids (None when nothing is forced), on the device."""
-        t = torch.tensor([step.slots, step.steps, step.force], dtype=torch.long)
+        """[N] long slots, steps, forced ids (None when nothing is forced), on the device.
+
+        NOTE: rows padded to an even length keep each one 16-byte aligned: Triton specializes
+        its kernels on pointer alignment, and an odd N (steps at 8 bytes past 16) compiled the
+        sampler kernels again mid-serving (H100, requests arriving over 6 s: ~1 s stall)."""
+        pad = [0] * (len(step.slots) % 2)
+        t = torch.tensor([step.slots + pad, step.steps + pad, step.force + pad], dtype=torch.long)
         t = t.to(self.device, non_blocking=True)
-        return t[0], t[1], (t[2] if any(f >= 0 for f in step.force) else None)
+        n = len(step.slots)
+        return t[0, :n], t[1, :n], (t[2, :n] if any(f >= 0 for f in step.force) else None)
 
     def _slot(self, seq: Sequence, batch: list[Sequence]) -> int:
         slot = self.slot_of.get(seq.request_id)
