@@ -23,9 +23,10 @@ import triton.language as tl
 _NEG_INF = tl.constexpr(float("-inf"))
 # NOTE: the kernels' branch flags are bits of one runtime int (FLAGS), not constexprs, so a
 # batch with a new mix of sampling states (penalties, bans, forced ids, top-k/p, min-p) does
-# not compile a new kernel mid-serving: H100, requests arriving over 6 s compiled _prep_kernel
-# once and _warp_draw_kernel twice after all-at-once warm-ups, each holding the orchestrator
-# 0.5-1.1 s. (do_not_specialize: Triton would also specialize FLAGS == 1.)
+# not compile a new kernel mid-serving. H100, requests arriving over 6 s after all-at-once
+# warm-ups: _prep_kernel compiled once and _warp_draw_kernel twice, holding the orchestrator
+# ~1 s per launch that compiled; with FLAGS, each once (on the steps pointer's alignment: see
+# SamplerState.device_inputs). do_not_specialize: Triton would also specialize FLAGS == 1.
 _PEN, _BAN, _FORCE, _UPDATE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4), tl.constexpr(8)
 _TOP_K, _TOP_P, _MIN_P = tl.constexpr(16), tl.constexpr(32), tl.constexpr(64)
 

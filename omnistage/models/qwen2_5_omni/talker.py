@@ -129,11 +129,11 @@ class Qwen2_5OmniThinkerToTalker:
         if ev.hidden is not None:
             start, hidden = ev.hidden
             n = hidden.shape[0]
-            table = thinker_worker.engine.runner.model.model.embed_tokens.weight
             if n == 1 and not any(m0 <= start < m1 for m0, m1 in self.media):
                 # NOTE: a decode step's row: the table's row is a view, so one add kernel and
                 # no host->device copy of the id. H100, 64 requests at once: the thinker's
                 # collect (which runs this per request) took 7.8 -> 3.3-3.9 ms per step
+                table = thinker_worker.engine.runner.model.model.embed_tokens.weight
                 rows = hidden + table[self.fed_ids[start]]
             else:
                 ids = torch.tensor(self.fed_ids[start:start + n], device=hidden.device)
