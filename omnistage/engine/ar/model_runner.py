@@ -305,13 +305,15 @@ class ModelRunner:
 
     @staticmethod
     def _hidden_rows(batch: ScheduledBatch, hidden: torch.Tensor, copy: bool) -> dict:
-        # hidden: [T, D] flat rows of the batch -> request_id -> (first position, rows [n, D])
+        # hidden: [T, D] flat rows of the batch -> request_id -> (first position, rows [n, D]);
+        # copy: one clone of the batch's rows, each request getting a view of it (one kernel
+        # per step, not one per request)
+        if copy and any(seq.export_hidden for seq in batch.seqs):
+            hidden = hidden[:sum(batch.num_tokens)].clone()
         out, off = {}, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.export_hidden:
-                rows = hidden[off:off + n]
-                out[seq.request_id] = (seq.num_computed_tokens + batch.ahead,
-                                       rows.clone() if copy else rows)
+                out[seq.request_id] = (seq.num_computed_tokens + batch.ahead, hidden[off:off + n])
             off += n
         return out
 
