@@ -116,7 +116,9 @@ class Qwen2_5OmniThinkerToTalker:
         self.prompt_rows: torch.Tensor | None = None
         self.num_prompt_rows = 0
         self.reply_rows: list[torch.Tensor] = []
-        self.specials: torch.Tensor | None = None
+        # rows of voice bos, <|tts_eos|>, <|tts_pad|>: unbound once (unpacking the tensor at
+        # every step cost an unbind per request per talker step)
+        self.specials: tuple[torch.Tensor, ...] | None = None
         self.thinker_finished = False
 
     # ---------------------------------------------------------------- thinker side
@@ -157,7 +159,7 @@ class Qwen2_5OmniThinkerToTalker:
     def receive(self, request_id: str, msg: ThinkerRows, talker_worker) -> None:
         P = self.prompt_len
         if msg.specials is not None:
-            self.specials = msg.specials
+            self.specials = tuple(msg.specials.unbind(0))
         n = msg.rows.shape[0]
         if n and self.prompt_rows is None:
             self.prompt_rows = msg.rows.new_zeros(P, msg.rows.shape[-1])
