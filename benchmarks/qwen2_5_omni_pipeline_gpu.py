@@ -281,8 +281,9 @@ def trace_triton_compiles() -> None:
 
     def hook(*args, **kwargs) -> bool:
         if len(TRITON_COMPILES) < 10_000:
-            what = str(kwargs.get("repr", "?")).split("[")[0]  # the kernel, its specialization:
-            TRITON_COMPILES.append((time.perf_counter(), f"{what} {kwargs.get('key')!s:.600}"))
+            kernel = str(kwargs.get("repr", "?")).split("[")[0]
+            # the key: each argument's type and specialization (e.g. "D": divisible by 16)
+            TRITON_COMPILES.append((time.perf_counter(), f"{kernel} {kwargs.get('key')!s:.600}"))
         return False
     knobs.runtime.jit_post_compile_hook = hook
 
@@ -405,7 +406,7 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     calls = HOST_CALLS[n_calls:]
     res["slow_calls"] = [[round(a - t0, 3), round(b, 3), w] for a, b, w in calls
                          if b > SLOW_CALL_S]
-    first_audio = min((t0 + r["delay_s"] + r["client_ttfa"] for r in rows
+    first_audio = min((r["t_submit"] + r["client_ttfa"] for r in rows
                        if r["client_ttfa"] is not None), default=t0 + wall)
     res["host_calls"] = {"round": host_call_totals(calls),
                          "before_first_audio": host_call_totals(
