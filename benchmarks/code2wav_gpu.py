@@ -459,23 +459,15 @@ class Bench:
 
 
 GREEN_FREE_SMS = (16, 32)  # overlap: SMs a green context keeps free of the DiT
+GREEN_CONTEXTS: list = []  # kept alive as long as their streams
 
 
 def green_stream(num_sms: int, dev: torch.device) -> torch.cuda.Stream:
-    """A stream whose kernels run on num_sms SMs only (a CUDA green context)."""
+    """A stream whose kernels run on num_sms SMs only (a CUDA green context; torch >= 2.11)."""
     from torch.cuda.green_contexts import GreenContext
     ctx = GreenContext.create(num_sms=num_sms, device_id=dev.index or 0)
-    GREEN_CONTEXTS.append(ctx)  # kept alive as long as its stream
-    if hasattr(ctx, "Stream"):
-        return ctx.Stream()
-    ctx.set_context()  # older API: a stream made while the green context is current
-    try:
-        return torch.cuda.Stream(dev)
-    finally:
-        ctx.pop_context()
-
-
-GREEN_CONTEXTS: list = []
+    GREEN_CONTEXTS.append(ctx)
+    return ctx.Stream()
 
 
 def compare(got: list, ref: list) -> dict:

@@ -378,6 +378,10 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def embed_row(self, token_id: int) -> torch.Tensor:
+        """embed of one id, [D]: a view of the table's row (no id tensor, no kernel)."""
+        return self.model.embed_tokens.weight[token_id]
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(merge_inputs(self.embed(batch.input_ids), batch), batch)
 

@@ -132,11 +132,10 @@ class Qwen2_5OmniThinkerToTalker:
             start, hidden = ev.hidden
             n = hidden.shape[0]
             if n == 1 and not any(m0 <= start < m1 for m0, m1 in self.media):
-                # NOTE: a decode step's row: the table's row is a view, so one add kernel and
-                # no host->device copy of the id. H100, 64 requests at once: the thinker's
-                # collect (which runs this per request) took 7.8 -> 3.3-3.9 ms per step
-                table = thinker_worker.engine.runner.model.model.embed_tokens.weight
-                rows = hidden + table[self.fed_ids[start]]
+                # NOTE: a decode step's row: one add kernel and no host->device copy of the
+                # id. H100, 64 requests at once: the thinker's collect (which runs this per
+                # request) took 7.8 -> 3.3-3.9 ms per step
+                rows = hidden + thinker_worker.engine.runner.model.embed_row(self.fed_ids[start])
             else:
                 ids = torch.tensor(self.fed_ids[start:start + n], device=hidden.device)
                 emb = embed(ids)
