@@ -38,6 +38,7 @@ except ImportError:  # the GPU machine lacks it; nothing here reads audio files
     sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
 
 from benchmarks.common import sync, timed  # noqa: E402
+from omnistage.engine.ar.cuda_graphs import green_context_stream  # noqa: E402
 from omnistage.models.qwen2_5_omni.code2wav_graphs import Qwen2_5OmniCode2WavDecoder  # noqa: E402
 from omnistage.models.qwen2_5_omni.code2wav_stream import (  # noqa: E402
     Qwen2_5OmniCode2WavStream,
@@ -463,11 +464,10 @@ GREEN_CONTEXTS: list = []  # kept alive as long as their streams
 
 
 def green_stream(num_sms: int, dev: torch.device) -> torch.cuda.Stream:
-    """A stream whose kernels run on num_sms SMs only (a CUDA green context; torch >= 2.11)."""
-    from torch.cuda.green_contexts import GreenContext
-    ctx = GreenContext.create(num_sms=num_sms, device_id=dev.index or 0)
-    GREEN_CONTEXTS.append(ctx)
-    return ctx.Stream()
+    """A stream whose kernels run on num_sms SMs only (a CUDA green context)."""
+    context, stream = green_context_stream(dev, num_sms)
+    GREEN_CONTEXTS.append(context)
+    return stream
 
 
 def compare(got: list, ref: list) -> dict:

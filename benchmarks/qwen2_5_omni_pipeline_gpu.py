@@ -555,6 +555,9 @@ async def main_async(args, res: dict, save) -> None:
     res["code2wav_dit_dtype"] = args.code2wav_dtype
     os.environ["OMNISTAGE_CODE2WAV_VOCODER_DTYPE"] = args.code2wav_vocoder_dtype
     res["code2wav_vocoder_dtype"] = args.code2wav_vocoder_dtype
+    if args.code2wav_free_sms is not None:
+        os.environ["OMNISTAGE_CODE2WAV_FREE_SMS"] = str(args.code2wav_free_sms)
+    res["code2wav_free_sms"] = int(os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS", "0") or 0)
     pipeline = None
     if args.process_stages:  # these stages in processes of their own (pipeline YAML `worker`)
         import yaml
@@ -748,6 +751,9 @@ def main() -> None:
     ap.add_argument("--code2wav-vocoder-dtype", default="float16",
                     choices=["float32", "float16", "bfloat16"],
                     help="dtype of BigVGAN's convs (float16: the pipeline's CUDA default)")
+    ap.add_argument("--code2wav-free-sms", type=int, default=None,
+                    help="SMs that later chunks' DiT/BigVGAN graphs leave to the AR stages "
+                         "(a CUDA green context; default: $OMNISTAGE_CODE2WAV_FREE_SMS or 0)")
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
     ap.add_argument("--process-stages", default="",

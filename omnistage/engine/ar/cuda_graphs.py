@@ -70,6 +70,20 @@ def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream
     return stream
 
 
+def green_context_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream]:
+    """(green context, stream): kernels launched on the stream, or captured on it into a CUDA
+    graph (wherever that graph is replayed), run on `num_sms` of the GPU's SMs only; the
+    caller keeps the context alive as long as the stream. Needs torch >= 2.11 (beta API)."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError as exc:
+        raise ValueError(f"green contexts need torch >= 2.11 (torch {torch.__version__})") from exc
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    context = GreenContext.create(num_sms=num_sms, device_id=index)
+    return context, context.Stream()
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to (and including) max_num_seqs."""
     sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < max_num_seqs]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omnistage.engine.ar.cuda_graphs import private_stream
+from omnistage.engine.ar.cuda_graphs import green_context_stream, private_stream
 
 from .code2wav_fast import DTYPES, DiTState, Qwen2_5OmniFastDiT
 from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
@@ -57,6 +57,17 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"batch: {n} rows exceed the largest bucket {max(buckets)}")
 
 
+def first_window_width(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
+    """Chunk 0's DiT window (frames) before clipping: its blocks and the future blocks."""
+    return (config.first_blocks + config.future_blocks) * block
+
+
+def first_vocoder_length(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
+    """Chunk 0's BigVGAN span (frames) before clipping: the chunk and its future overlap."""
+    return config.first_blocks * block + min(config.vocoder_overlap_frames,
+                                             config.future_blocks * block)
+
+
 def window_widths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
     """The fixed DiT widths (frames): chunk 0's unclipped window, the full window, and the
     windows of a half and a quarter chunk.
@@ -66,7 +77,7 @@ def window_widths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[
     360-frame step for a few frames; the half and quarter widths cut that waste.
     """
     context = (config.past_blocks + config.future_blocks) * block
-    first = (config.first_blocks + config.future_blocks) * block
+    first = first_window_width(config, block)
     chunks = {max(config.chunk_blocks, config.first_blocks), config.chunk_blocks // 2,
               config.chunk_blocks // 4}
     return tuple(sorted({first} | {context + n * block for n in chunks if n > 0}))
@@ -77,7 +88,7 @@ def vocoder_lengths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tupl
     ov_past = min(config.vocoder_overlap_frames, config.past_blocks * block)
     ov_future = min(config.vocoder_overlap_frames, config.future_blocks * block)
     return tuple(sorted({ov_past + config.chunk_blocks * block + ov_future,
-                         config.first_blocks * block + ov_future}))
+                         first_vocoder_length(config, block)}))
 
 
 @contextmanager
@@ -112,7 +123,7 @@ class DecodeJob:
     requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]
     config: Qwen2_5OmniCode2WavStreamConfig
     spans: list[Qwen2_5OmniCode2WavSpan]
-    key: tuple[int, int]  # (bucket, width) of its DiT
+    key: tuple[int, int, bool]  # (bucket, width, beside) of its DiT
     graph: _Graph | None  # graphed: the DiT graph holding the state
     state: DiTState | None = None  # eager: the ODE state
     done: int = 0  # RK4 intervals run
@@ -130,13 +141,25 @@ class Qwen2_5OmniCode2WavDecoder:
     vocoder_dtype: BigVGAN's convs in "float32" (default; cuDNN's TF32 on CUDA), or "float16" /
     "bfloat16" (CUDA: autocast; the weights stay float32, the waveform comes back float32);
     None = $OMNISTAGE_CODE2WAV_VOCODER_DTYPE or float32.
+    free_sms: SMs that a decode `beside` other stages' work leaves to them (the AR stages'
+    decode steps); 0 = off; None = $OMNISTAGE_CODE2WAV_FREE_SMS or 0.
+
+    NOTE (free_sms): such a decode's DiT runs graphs of its own, captured on a CUDA green
+    context's stream, which binds their kernels to the other SMs wherever they replay (a
+    second graph per later-chunk shape); other decodes, and BigVGAN always, keep every SM
+    (BigVGAN's cuDNN convs launch thread-block clusters that an SM subset cannot hold: "cluster
+    misconfiguration" at capture, H100). Why: the DiT's big GEMMs fill every SM for their
+    whole run, so a decode kernel beside them waits for each one, however high its stream's
+    priority (H100: a talker-sized probe step of 1.1 ms took 15.7 ms beside big GEMMs; with 32
+    SMs left free, 2.4 ms, the GEMMs 22% slower). Alone, the DiT wants every SM: the caller
+    says which case a decode is.
     """
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,
                  cuda_graphs: bool | None = None, buckets: tuple[int, ...] = BUCKETS,
                  pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES,
                  compile: bool | None = None, dit_attention: str | None = None,
-                 vocoder_dtype: str | None = None) -> None:
+                 vocoder_dtype: str | None = None, free_sms: int | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device = model, p.device
         dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
@@ -175,15 +198,41 @@ class Qwen2_5OmniCode2WavDecoder:
         self.spec, self.block = model.spec, model.spec.block_size
         self.speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.dit_graphs: dict[tuple[int, int], _Graph] = {}
-        self._live: dict[tuple[int, int], DecodeJob] = {}  # graphed DiT shapes held by jobs
+        # (bucket, width, beside) -> graph; beside: on the SMs free_sms leaves (see NOTE)
+        self.dit_graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._live: dict[tuple[int, int, bool], DecodeJob] = {}  # graphed DiT shapes held by jobs
         self.voc_graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # captures and their warm-up runs: streams of this decoder's own (private_stream)
         self.capture_stream = private_stream(self.device) if self.use_graphs else None
         self.warm_stream = private_stream(self.device) if self.use_graphs else None
+        self.free_sms = self._check_free_sms(
+            os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS", "0") if free_sms is None else free_sms)
+        self.green_context, self.beside_capture_stream = None, self.capture_stream
+        if self.free_sms:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.green_context, self.beside_capture_stream = green_context_stream(
+                self.device, sms - self.free_sms)
         self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
         self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
+
+    def _check_free_sms(self, value: int | str) -> int:
+        name = "free_sms"
+        if isinstance(value, str):  # from the environment
+            name = "OMNISTAGE_CODE2WAV_FREE_SMS"
+            if not value.isdigit():
+                raise ValueError(f"{name}: an int >= 0, got {value!r}")
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: an int >= 0, got {value!r}")
+        if value and not self.use_graphs:
+            raise ValueError(f"{name}: leaving SMs free needs CUDA graphs (a CUDA model)")
+        if value:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if value > sms - 16:
+                raise ValueError(f"{name}: {value} of this GPU's {sms} SMs; at most {sms - 16} "
+                                 "(the DiT keeps 16 or more)")
+        return value
 
     # ------------------------------------------------------------------ host-side planning
     def plan(self, widths_needed: list[int], config: Qwen2_5OmniCode2WavStreamConfig
@@ -263,8 +312,8 @@ class Qwen2_5OmniCode2WavDecoder:
             return self.fast.sample(*(buf[k] for k in DIT_INPUTS), compiled)
 
     # ------------------------------------------------------------------ graphs
-    def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, int, int]
-                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, int, int],
+                 beside: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
         side = self.warm_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -278,7 +327,8 @@ class Qwen2_5OmniCode2WavDecoder:
         graph = torch.cuda.CUDAGraph()
         # thread_local: other stages' threads may use the GPU while this one captures
         # own capture stream: its cuBLAS workspace is this decoder's alone (cuda_graphs.py)
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+        stream = self.beside_capture_stream if beside else self.capture_stream
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream,
                               capture_error_mode="thread_local"):
             out = fn()
         torch.cuda.synchronize(self.device)
@@ -287,8 +337,11 @@ class Qwen2_5OmniCode2WavDecoder:
                                  + torch.cuda.memory_reserved(self.device) - reserved)
         return graph, out
 
-    def dit_graph(self, bucket: int, width: int) -> _Graph:
-        g = self.dit_graphs.get((bucket, width))
+    def dit_graph(self, bucket: int, width: int, beside: bool = False) -> _Graph:
+        """The DiT graph of (bucket, width), captured on first use (beside: the one on the SMs
+        that free_sms leaves; the same as beside=False when free_sms is 0)."""
+        beside = beside and self.free_sms > 0
+        g = self.dit_graphs.get((bucket, width, beside))
         if g is None:
             g = _Graph(self.new_dit_inputs(bucket, width))
             if self.compile:
@@ -298,10 +351,10 @@ class Qwen2_5OmniCode2WavDecoder:
             # same as one graph (H100, batch 32 x 360 frames: 654.5 vs 651.6 ms)
             for i in range(len(self.fast.widths)):
                 graph, _ = self._capture(lambda i=i: self._dit_interval(g, i),
-                                         ("dit", bucket, width))
+                                         ("dit", bucket, width), beside)
                 g.segments.append(graph)
             g.output = g.state.x
-            self.dit_graphs[(bucket, width)] = g
+            self.dit_graphs[(bucket, width, beside)] = g
         return g
 
     def _dit_interval(self, g: _Graph, i: int) -> torch.Tensor:
@@ -339,15 +392,16 @@ class Qwen2_5OmniCode2WavDecoder:
 
     # ------------------------------------------------------------------ decode
     def sample_windows(self, rows: list[tuple[Qwen2_5OmniCode2WavStream, int]],
-                       config: Qwen2_5OmniCode2WavStreamConfig) -> list[torch.Tensor]:
+                       config: Qwen2_5OmniCode2WavStreamConfig, beside: bool = False
+                       ) -> list[torch.Tensor]:
         """Each row's window mel [W_i, M] float32 (owned copies, not graph buffers)."""
         widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in rows)]
         mels: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for idx, bucket, width in self.plan(widths, config):
             part = [rows[i] for i in idx]
             if self.use_graphs and width <= self.max_graph_frames:
-                g = self.dit_graph(bucket, width)
-                self._claim((bucket, width), None)
+                g = self.dit_graph(bucket, width, beside)
+                self._claim(self._key(bucket, width, beside), None)
                 self.fill_dit_inputs(g.inputs, part)
                 g.replay()
                 out = g.output
@@ -395,23 +449,25 @@ class Qwen2_5OmniCode2WavDecoder:
         return wavs
 
     @torch.inference_mode()
-    def decode(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]
-               ) -> list[Qwen2_5OmniCode2WavChunk]:
+    def decode(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]],
+               beside: bool = False) -> list[Qwen2_5OmniCode2WavChunk]:
         """Chunk k of each (stream, k): the chunks of `decode_chunks_with_mel` (all streams of
-        one stream config). Mutates nothing but this decoder's caches."""
+        one stream config). beside: other stages run beside it (free_sms). Mutates nothing but
+        this decoder's caches."""
         check_requests(self.model, requests)
         if not requests:
             return []
         config = self._one_config(requests)
         spans = [s.span(k) for s, k in requests]
         with self._on_device():
-            mels = self.sample_windows(list(requests), config)
+            mels = self.sample_windows(list(requests), config, beside)
             wavs = self.vocode(spans, mels, config)
         return assemble_chunks(self.model, list(requests), spans, mels, wavs)
 
     # ------------------------------------------------------------------ decode in parts
     @torch.inference_mode()
-    def begin_job(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]) -> DecodeJob:
+    def begin_job(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]],
+                  beside: bool = False) -> DecodeJob:
         """A decode of up to max(buckets) chunks (one DiT batch) that advance() runs in parts;
         finish() gives decode()'s chunks. Until then its DiT shape (bucket, width) is taken:
         decode() and begin_job() raise ValueError on it."""
@@ -426,8 +482,8 @@ class Qwen2_5OmniCode2WavDecoder:
         (_, bucket, width), = self.plan(widths, config)
         with self._on_device():
             if self.use_graphs and width <= self.max_graph_frames:
-                g = self.dit_graph(bucket, width)
-                job = DecodeJob(rows, config, spans, (bucket, width), g)
+                g = self.dit_graph(bucket, width, beside)
+                job = DecodeJob(rows, config, spans, self._key(bucket, width, beside), g)
                 self._claim(job.key, job)
                 self.fill_dit_inputs(g.inputs, rows)
                 return job
@@ -435,7 +491,7 @@ class Qwen2_5OmniCode2WavDecoder:
             self.fill_dit_inputs(buf, rows)
             with _matmul_tf32(self.tf32):
                 state = self.fast.begin(*(buf[k] for k in DIT_INPUTS))
-        return DecodeJob(rows, config, spans, (bucket, width), None, state)
+        return DecodeJob(rows, config, spans, self._key(bucket, width, beside), None, state)
 
     @torch.inference_mode()
     def advance(self, job: DecodeJob, intervals: int) -> bool:
@@ -464,21 +520,25 @@ class Qwen2_5OmniCode2WavDecoder:
             wavs = self.vocode(job.spans, mels, job.config)
         return assemble_chunks(self.model, job.requests, job.spans, mels, wavs)
 
-    def is_held(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]) -> bool:
-        """Whether decode(requests) needs a graphed DiT shape that an unfinished job holds
-        (it would raise ValueError). Host logic only."""
+    def is_held(self, requests: list[tuple[Qwen2_5OmniCode2WavStream, int]],
+                beside: bool = False) -> bool:
+        """Whether decode(requests, beside) needs a graphed DiT shape that an unfinished job
+        holds (it would raise ValueError). Host logic only."""
         if not self._live or not requests:
             return False
         config = requests[0][0].config
         widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in requests)]
-        return any((bucket, width) in self._live
+        return any(self._key(bucket, width, beside) in self._live
                    for _, bucket, width in self.plan(widths, config))
 
     def drop_jobs(self) -> None:
         """Forget unfinished jobs (their stage failed): their DiT shapes serve decodes again."""
         self._live.clear()
 
-    def _claim(self, key: tuple[int, int], job: DecodeJob | None) -> None:
+    def _key(self, bucket: int, width: int, beside: bool) -> tuple[int, int, bool]:
+        return bucket, width, beside and self.free_sms > 0
+
+    def _claim(self, key: tuple[int, int, bool], job: DecodeJob | None) -> None:
         # a graphed DiT shape serves one decode at a time: an unfinished job's state lives in it
         if key in self._live:
             raise ValueError(f"requests: DiT shape (batch {key[0]}, {key[1]} frames) is held by "
@@ -513,6 +573,8 @@ class Qwen2_5OmniCode2WavDecoder:
             for w in window_widths(config, self.block):
                 if w <= self.max_graph_frames:
                     self.dit_graph(bucket_for(b, self.buckets), w)
+                    if w != first_window_width(config, self.block):  # later chunks' widths
+                        self.dit_graph(bucket_for(b, self.buckets), w, beside=True)
             for length in vocoder_lengths(config, self.block):
                 self.voc_graph(bucket_for(b, self.buckets), length)
 
@@ -520,6 +582,7 @@ class Qwen2_5OmniCode2WavDecoder:
         """Graph counts; seconds compiling (each shape's first compiled run), capturing (the
         warm-up run included) and warming up; graph pool memory (GiB) grown by the captures."""
         return {"dit_graphs": len(self.dit_graphs), "vocoder_graphs": len(self.voc_graphs),
+                "free_sms": self.free_sms,
                 "compiled": self.compile, "compile_seconds": round(self.compile_seconds, 3),
                 "capture_seconds": round(self.capture_seconds, 3),
                 "warmup_seconds": round(self.warmup_seconds, 3),

@@ -95,6 +95,8 @@ class _StepJob:
     """A step of later chunks run in parts (preempt_intervals)."""
 
     ready: list[tuple[str, Code2WavRequest]]
+    # the talker still sends codes (of some request): the DiT leaves it SMs (free_sms)
+    beside: bool = False
     decode: DecodeJob | None = None  # begun by its first part (on the launcher thread)
     parts: int = 0  # parts launched
 
@@ -242,7 +244,7 @@ class Qwen2_5OmniCode2WavStage:
         """Queue the next part of the step in progress, or the first part of a new one of
         `ready` (later chunks only)."""
         if self.job is None:
-            self.job = _StepJob(ready)
+            self.job = _StepJob(ready, any(not r.codes_finished for r in self.requests.values()))
             self.batch_sizes.append(len(ready))
             for _, r in ready:
                 r.in_job = True
@@ -280,7 +282,7 @@ class Qwen2_5OmniCode2WavStage:
         with gpu.active(launch=False) if gpu is not None else nullcontext():
             if job.decode is None:
                 job.decode = self.decoder.begin_job([(r.stream, r.next_chunk)
-                                                     for _, r in job.ready])
+                                                     for _, r in job.ready], job.beside)
             out = None
             if self.decoder.advance(job.decode, self.preempt):
                 out = self._to_host(self.decoder.finish(job.decode))

@@ -283,12 +283,29 @@ def test_stage_first_chunk_goes_between_parts(t2w: Qwen2_5OmniToken2Wav, thread:
                                                          strict=True))
 
 
+def test_stage_steps_beside_the_talker(t2w: Qwen2_5OmniToken2Wav) -> None:
+    """A step of later chunks begun while some request's codes still arrive (the talker runs)
+    is a decode beside other stages (free_sms); once every request's codes are in, not."""
+    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE, preempt=4)
+    codes, cond, ref_mel = _request(1, 70)
+    stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
+    stage.add_codes("a", codes[:60], finished=False)  # chunks 0 and 1 ready
+    stage.step()  # a's first chunk
+    stage.collect(stage.launch())
+    assert stage.job is not None and stage.job.beside
+    while stage.job is not None:
+        stage.step()
+    stage.add_codes("a", codes[60:], finished=True)
+    stage.collect(stage.launch())
+    assert stage.job is not None and not stage.job.beside
+
+
 def test_is_held(t2w: Qwen2_5OmniToken2Wav) -> None:
     # host logic: a decode whose DiT shape (bucket, width) an unfinished job holds
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
     a, b = _stream(t2w, 1, 70, SCHEDULE), _stream(t2w, 2, 70, SCHEDULE)
     assert not dec.is_held([(a, 0)])
-    dec._live[(1, 48)] = None  # chunk 0: 1 block + 1 look-ahead block
+    dec._live[(1, 48, False)] = None  # chunk 0: 1 block + 1 look-ahead block
     assert dec.is_held([(a, 0)]) and not dec.is_held([(a, 0), (b, 0)])  # bucket 2
     assert not dec.is_held([(a, 2)]) and not dec.is_held([])
     dec.drop_jobs()
@@ -394,6 +411,28 @@ def test_graphed_job_in_parts_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 
 
 @pytest.mark.gpu
+def test_free_sms_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # later chunks' DiT graphs on a green context (fewer SMs) give the chunks of the graphs on
+    # every SM, whole or in parts; chunk 0's shape is captured on the usual stream
+    model, streams = _cuda_streams(t2w, ((40, 30), (41, 70)))
+    reqs = [(streams[0], 2), (streams[1], 3)]
+    want = Qwen2_5OmniCode2WavDecoder(model, compile=False).decode(reqs)
+    dec = Qwen2_5OmniCode2WavDecoder(model, compile=False, free_sms=16)
+    assert dec.green_context is not None and dec.beside_capture_stream is not dec.capture_stream
+    assert _max_diff(dec.decode(reqs), want) == (0.0, 0.0)  # every SM: the same kernels
+    got = dec.decode(reqs, beside=True)
+    assert set(dec.dit_graphs) == {(2, 96, False), (2, 96, True)}
+    diff = _max_diff(got, want)
+    print(f"free_sms=16 vs every SM: max abs diff mel {diff[0]:.2e}, waveform {diff[1]:.2e}")
+    assert diff[0] < 1e-4 and diff[1] < 1e-4, diff
+    job = dec.begin_job(reqs, beside=True)
+    assert dec.is_held(reqs, beside=True) and not dec.is_held(reqs)
+    dec.advance(job, 9)
+    assert _max_diff(dec.finish(job), got) == (0.0, 0.0)
+    assert dec.stats()["free_sms"] == 16
+
+
+@pytest.mark.gpu
 def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     # BigVGAN's convs in fp16 / bf16 (autocast) vs strict float32 on the same GPU, graphs and
     # eager (the DiT runs float32 in both; its speaker encoder's convs differ by TF32 only)
@@ -428,6 +467,9 @@ def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="float16")),
     ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="int8")),
     ("buckets", lambda m: Qwen2_5OmniCode2WavDecoder(m, buckets=(4, 2))),
+    ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms=16)),  # CPU: no graphs
+    ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms=-1)),
+    ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms=True)),
     ("first_chunk_blocks", lambda m: Config(first_chunk_blocks=0)),
     ("requests", lambda m: Qwen2_5OmniCode2WavDecoder(m).decode(
         [(_stream(m, 1, 30), 0), (_stream(m, 1, 30, SCHEDULE), 0)])),
@@ -435,6 +477,20 @@ def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 def test_bad_options_raise(t2w: Qwen2_5OmniToken2Wav, field: str, make) -> None:
     with pytest.raises(ValueError, match=field):
         make(t2w)
+
+
+def test_free_sms_from_environment(t2w: Qwen2_5OmniToken2Wav,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "lots")
+    with pytest.raises(ValueError, match="OMNISTAGE_CODE2WAV_FREE_SMS"):
+        Qwen2_5OmniCode2WavDecoder(t2w)
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "0")
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    assert dec.free_sms == 0 and dec.beside_capture_stream is dec.capture_stream is None
+    # without free SMs a decode beside other stages is the same decode (one lane of shapes)
+    a = _stream(t2w, 1, 70, SCHEDULE)
+    job = dec.begin_job([(a, 2)], beside=True)
+    assert job.key[2] is False  # (CPU: eager, so the shape is not held)
 
 
 def test_fast_dit_without_triton(t2w: Qwen2_5OmniToken2Wav,
