@@ -557,7 +557,6 @@ async def main_async(args, res: dict, save) -> None:
     res["code2wav_vocoder_dtype"] = args.code2wav_vocoder_dtype
     if args.code2wav_free_sms is not None:
         os.environ["OMNISTAGE_CODE2WAV_FREE_SMS"] = str(args.code2wav_free_sms)
-    res["code2wav_free_sms"] = int(os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS", "0") or 0)
     pipeline = None
     if args.process_stages:  # these stages in processes of their own (pipeline YAML `worker`)
         import yaml
@@ -578,6 +577,9 @@ async def main_async(args, res: dict, save) -> None:
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
                        code2wav_window=window)
     res["load_s"] = round(time.perf_counter() - t1, 1)
+    c2w = llm.pipeline.workers.get("code2wav")
+    if getattr(c2w, "_decoder", None) is not None:
+        res["code2wav_free_sms"] = c2w.decoder.free_sms
     trace_code2wav(llm)
     trace_host_calls(llm)
     trace_triton_compiles()
@@ -752,8 +754,8 @@ def main() -> None:
                     choices=["float32", "float16", "bfloat16"],
                     help="dtype of BigVGAN's convs (float16: the pipeline's CUDA default)")
     ap.add_argument("--code2wav-free-sms", type=int, default=None,
-                    help="SMs that later chunks' DiT/BigVGAN graphs leave to the AR stages "
-                         "(a CUDA green context; default: $OMNISTAGE_CODE2WAV_FREE_SMS or 0)")
+                    help="SMs that later-chunk DiT steps leave to the AR stages beside them "
+                         "(a CUDA green context; default: the pipeline's, auto)")
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
     ap.add_argument("--process-stages", default="",

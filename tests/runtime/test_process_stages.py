@@ -120,7 +120,8 @@ def test_worker_key_in_yaml(tmp_path):
     ("stage_worker", "thread", "stage_worker"), ("code2wav_dit_dtype", "fp8", "code2wav_dit_dtype"),
     ("code2wav_warmup", "yes", "code2wav_warmup"), ("code2wav_window", 3, "code2wav_window"),
     ("code2wav_vocoder_dtype", "fp8", "code2wav_vocoder_dtype"),
-    ("talker_handoff", "v4", "talker_handoff")])
+    ("talker_handoff", "v4", "talker_handoff"), ("code2wav_free_sms", -8, "code2wav_free_sms"),
+    ("code2wav_free_sms", "half", "code2wav_free_sms")])
 def test_bad_pipeline_options_name_the_field(tiny_omni_dir, option, value, field):
     with pytest.raises(ValueError, match=field):
         OmniLLM(str(tiny_omni_dir), device="cpu", **{option: value})

@@ -45,6 +45,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 # 24-block chunk's window (past 2 + 24 + future 1)
 MAX_GRAPH_FRAMES = 672
 DIT_INPUTS = ("noise", "codes", "spk", "cond", "start", "nvalid")  # FastDiT.sample's first
+# the smallest DiT batch that runs on the green context beside other stages (H100, c1: RTF
+# 0.123 with batch-1 steps beside the talker on 100 SMs vs 0.121 on all 132; c8 39.5 vs 37.4
+# audio-s/s with batch-8 steps beside it)
+BESIDE_MIN_BUCKET = 8
 VOCODER_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                   "bfloat16": torch.bfloat16}
 
@@ -142,7 +146,8 @@ class Qwen2_5OmniCode2WavDecoder:
     "bfloat16" (CUDA: autocast; the weights stay float32, the waveform comes back float32);
     None = $OMNISTAGE_CODE2WAV_VOCODER_DTYPE or float32.
     free_sms: SMs that a decode `beside` other stages' work leaves to them (the AR stages'
-    decode steps); 0 = off; None = $OMNISTAGE_CODE2WAV_FREE_SMS or 0.
+    decode steps); 0 = off; "auto" = a quarter of the GPU's, in multiples of 8 (H100: 32; 0
+    with a warning where green contexts are missing); None = $OMNISTAGE_CODE2WAV_FREE_SMS or 0.
 
     NOTE (free_sms): such a decode's DiT runs graphs of its own, captured on a CUDA green
     context's stream, which binds their kernels to the other SMs wherever they replay (a
@@ -159,7 +164,7 @@ class Qwen2_5OmniCode2WavDecoder:
                  cuda_graphs: bool | None = None, buckets: tuple[int, ...] = BUCKETS,
                  pad_batch: bool | None = None, max_graph_frames: int = MAX_GRAPH_FRAMES,
                  compile: bool | None = None, dit_attention: str | None = None,
-                 vocoder_dtype: str | None = None, free_sms: int | None = None) -> None:
+                 vocoder_dtype: str | None = None, free_sms: int | str | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device = model, p.device
         dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
@@ -206,33 +211,48 @@ class Qwen2_5OmniCode2WavDecoder:
         # captures and their warm-up runs: streams of this decoder's own (private_stream)
         self.capture_stream = private_stream(self.device) if self.use_graphs else None
         self.warm_stream = private_stream(self.device) if self.use_graphs else None
-        self.free_sms = self._check_free_sms(
-            os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS", "0") if free_sms is None else free_sms)
         self.green_context, self.beside_capture_stream = None, self.capture_stream
-        if self.free_sms:
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self.green_context, self.beside_capture_stream = green_context_stream(
-                self.device, sms - self.free_sms)
+        self.free_sms = 0
+        if free_sms is None:
+            self._leave_sms(os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS", "0"),
+                            "OMNISTAGE_CODE2WAV_FREE_SMS")
+        else:
+            self._leave_sms(free_sms, "free_sms")
         self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
         self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
 
-    def _check_free_sms(self, value: int | str) -> int:
-        name = "free_sms"
-        if isinstance(value, str):  # from the environment
-            name = "OMNISTAGE_CODE2WAV_FREE_SMS"
+    def _leave_sms(self, value: int | str, name: str) -> None:
+        """Validate free_sms and make the green context of the decodes beside other stages."""
+        auto = value == "auto"
+        if auto:
+            if not self.use_graphs:
+                return
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            value = sms // 4 // 8 * 8
+        elif isinstance(value, str) and name != "free_sms":  # from the environment
             if not value.isdigit():
-                raise ValueError(f"{name}: an int >= 0, got {value!r}")
+                raise ValueError(f"{name}: an int >= 0 or 'auto', got {value!r}")
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name}: an int >= 0, got {value!r}")
-        if value and not self.use_graphs:
+            raise ValueError(f"{name}: an int >= 0 or 'auto', got {value!r}")
+        if not value:
+            return
+        if not self.use_graphs:
             raise ValueError(f"{name}: leaving SMs free needs CUDA graphs (a CUDA model)")
-        if value:
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            if value > sms - 16:
-                raise ValueError(f"{name}: {value} of this GPU's {sms} SMs; at most {sms - 16} "
-                                 "(the DiT keeps 16 or more)")
-        return value
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if value > sms - 16:
+            raise ValueError(f"{name}: {value} of this GPU's {sms} SMs; at most {sms - 16} "
+                             "(the DiT keeps 16 or more)")
+        try:
+            self.green_context, self.beside_capture_stream = green_context_stream(
+                self.device, sms - value)
+        except (ValueError, RuntimeError) as exc:
+            if not auto:
+                raise ValueError(f"{name}: no green context on this GPU ({exc})") from exc
+            warnings.warn(f"code2wav: free_sms='auto' needs CUDA green contexts ({exc}); the "
+                          "DiT keeps every SM", stacklevel=3)
+            return
+        self.free_sms = value
 
     # ------------------------------------------------------------------ host-side planning
     def plan(self, widths_needed: list[int], config: Qwen2_5OmniCode2WavStreamConfig
@@ -340,7 +360,7 @@ class Qwen2_5OmniCode2WavDecoder:
     def dit_graph(self, bucket: int, width: int, beside: bool = False) -> _Graph:
         """The DiT graph of (bucket, width), captured on first use (beside: the one on the SMs
         that free_sms leaves; the same as beside=False when free_sms is 0)."""
-        beside = beside and self.free_sms > 0
+        beside = self._key(bucket, width, beside)[2]
         g = self.dit_graphs.get((bucket, width, beside))
         if g is None:
             g = _Graph(self.new_dit_inputs(bucket, width))
@@ -536,7 +556,8 @@ class Qwen2_5OmniCode2WavDecoder:
         self._live.clear()
 
     def _key(self, bucket: int, width: int, beside: bool) -> tuple[int, int, bool]:
-        return bucket, width, beside and self.free_sms > 0
+        # below BESIDE_MIN_BUCKET the DiT's small kernels leave SMs idle anyway: every SM
+        return bucket, width, beside and self.free_sms > 0 and bucket >= BESIDE_MIN_BUCKET
 
     def _claim(self, key: tuple[int, int, bool], job: DecodeJob | None) -> None:
         # a graphed DiT shape serves one decode at a time: an unfinished job's state lives in it

@@ -106,13 +106,16 @@ class Qwen2_5OmniCode2WavStage:
                  stream_config: Qwen2_5OmniCode2WavStreamConfig | None,
                  dit_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None,
                  warmup: bool = False, compile: bool | None = None,
-                 vocoder_dtype: str | None = None, preempt: int | None = None) -> None:
+                 vocoder_dtype: str | None = None, preempt: int | None = None,
+                 free_sms: int | str | None = None) -> None:
         # dit_dtype: the streaming DiT's compute dtype ("float32", "tf32", "bfloat16"; None =
         # $OMNISTAGE_CODE2WAV_DIT_DTYPE or float32); vocoder_dtype: BigVGAN's conv dtype
         # (Qwen2_5OmniCode2WavDecoder's); cuda_graphs: None = on for CUDA unless
         # OMNISTAGE_CUDA_GRAPHS=0; warmup: capture the stream config's graphs now; compile:
         # torch.compile the graphed DiT (None = with graphs unless OMNISTAGE_CODE2WAV_COMPILE=0);
-        # preempt: RK4 intervals per part of a later-chunk step (None = preempt_intervals)
+        # preempt: RK4 intervals per part of a later-chunk step (None = preempt_intervals);
+        # free_sms: SMs a later-chunk step leaves to the talker while its codes still come
+        # (Qwen2_5OmniCode2WavDecoder's)
         self.name, self.model, self.device = name, model, device
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
@@ -132,7 +135,8 @@ class Qwen2_5OmniCode2WavStage:
         self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
                          if launch_on_thread(device) else None)
         self.decoder_options = {"dit_dtype": dit_dtype, "cuda_graphs": cuda_graphs,
-                                "compile": compile, "vocoder_dtype": vocoder_dtype}
+                                "compile": compile, "vocoder_dtype": vocoder_dtype,
+                                "free_sms": free_sms}
         self._decoder: Qwen2_5OmniCode2WavDecoder | None = None
         if warmup:
             self.warmup()

@@ -125,13 +125,22 @@ class Qwen2_5OmniPipeline:
         if vocoder_dtype is not None and vocoder_dtype not in VOCODER_DTYPES:
             raise ValueError(f"code2wav_vocoder_dtype: {vocoder_dtype!r}; one of "
                              f"{', '.join(VOCODER_DTYPES)}")
+        # SMs a later-chunk DiT step leaves to the talker beside it (a CUDA green context);
+        # None = $OMNISTAGE_CODE2WAV_FREE_SMS, else "auto" on CUDA (H100: 32 of 132). NOTE: H100,
+        # 7B shapes, one device call: c32 73.4 vs 70.7-71.3 audio-s/s, c64 83.1 vs 80.8, c64
+        # TTFA p50 0.86 vs 0.96 s (the talker no longer stalls behind the DiT's GEMMs); the
+        # second graph per shape adds ~35 s of capture at load and ~0.4 GiB
+        free_sms = opts.pop("code2wav_free_sms", None)
+        if free_sms is not None and free_sms != "auto" and (
+                not isinstance(free_sms, int) or isinstance(free_sms, bool) or free_sms < 0):
+            raise ValueError(f"code2wav_free_sms: {free_sms!r}; an int >= 0 or 'auto'")
         warmup = opts.pop("code2wav_warmup", None)  # None = capture code2wav's graphs on CUDA
         if warmup not in (None, True, False):
             raise ValueError(f"code2wav_warmup: {warmup!r}; true or false")
         worker = pop_stage_worker(opts)
         return {"talker_handoff": handoff, "code2wav_window": window, "stage_worker": worker,
                 "code2wav_dit_dtype": dit_dtype, "code2wav_vocoder_dtype": vocoder_dtype,
-                "code2wav_warmup": warmup, "engine": opts}
+                "code2wav_free_sms": free_sms, "code2wav_warmup": warmup, "engine": opts}
 
     @classmethod
     def build_stage(cls, path, config: dict, pipeline: PipelineConfig, name: str,
@@ -165,9 +174,12 @@ class Qwen2_5OmniPipeline:
             if vocoder_dtype is None and cuda \
                     and not os.environ.get("OMNISTAGE_CODE2WAV_VOCODER_DTYPE"):
                 vocoder_dtype = "float16"
+            free_sms = options["code2wav_free_sms"]
+            if free_sms is None and cuda and not os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS"):
+                free_sms = "auto"
             warmup = options["code2wav_warmup"]
             return Qwen2_5OmniCode2WavStage(name, token2wav, device, window, dit_dtype=dit_dtype,
-                                            vocoder_dtype=vocoder_dtype,
+                                            vocoder_dtype=vocoder_dtype, free_sms=free_sms,
                                             warmup=cuda if warmup is None else warmup)
         engine_opts = dict(options["engine"])
         sized = {"num_kv_blocks", "kv_cache_memory_fraction"}

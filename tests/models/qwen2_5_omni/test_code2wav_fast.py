@@ -412,16 +412,16 @@ def test_graphed_job_in_parts_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
 
 @pytest.mark.gpu
 def test_free_sms_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
-    # later chunks' DiT graphs on a green context (fewer SMs) give the chunks of the graphs on
-    # every SM, whole or in parts; chunk 0's shape is captured on the usual stream
+    # DiT steps beside other stages on a green context (fewer SMs) give the chunks of the graphs
+    # on every SM, whole or in parts; batches under BESIDE_MIN_BUCKET keep every SM
     model, streams = _cuda_streams(t2w, ((40, 30), (41, 70)))
     reqs = [(streams[0], 2), (streams[1], 3)]
-    want = Qwen2_5OmniCode2WavDecoder(model, compile=False).decode(reqs)
-    dec = Qwen2_5OmniCode2WavDecoder(model, compile=False, free_sms=16)
+    want = Qwen2_5OmniCode2WavDecoder(model, compile=False, buckets=(8,)).decode(reqs)
+    dec = Qwen2_5OmniCode2WavDecoder(model, compile=False, free_sms=16, buckets=(8,))
     assert dec.green_context is not None and dec.beside_capture_stream is not dec.capture_stream
     assert _max_diff(dec.decode(reqs), want) == (0.0, 0.0)  # every SM: the same kernels
     got = dec.decode(reqs, beside=True)
-    assert set(dec.dit_graphs) == {(2, 96, False), (2, 96, True)}
+    assert set(dec.dit_graphs) == {(8, 96, False), (8, 96, True)}
     diff = _max_diff(got, want)
     print(f"free_sms=16 vs every SM: max abs diff mel {diff[0]:.2e}, waveform {diff[1]:.2e}")
     assert diff[0] < 1e-4 and diff[1] < 1e-4, diff
@@ -430,6 +430,9 @@ def test_free_sms_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     dec.advance(job, 9)
     assert _max_diff(dec.finish(job), got) == (0.0, 0.0)
     assert dec.stats()["free_sms"] == 16
+    small = Qwen2_5OmniCode2WavDecoder(model, compile=False, free_sms=16, buckets=(2,))
+    small.decode(reqs, beside=True)
+    assert set(small.dit_graphs) == {(2, 96, False)}
 
 
 @pytest.mark.gpu
@@ -470,6 +473,7 @@ def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms=16)),  # CPU: no graphs
     ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms=-1)),
     ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms=True)),
+    ("free_sms", lambda m: Qwen2_5OmniCode2WavDecoder(m, free_sms="half")),
     ("first_chunk_blocks", lambda m: Config(first_chunk_blocks=0)),
     ("requests", lambda m: Qwen2_5OmniCode2WavDecoder(m).decode(
         [(_stream(m, 1, 30), 0), (_stream(m, 1, 30, SCHEDULE), 0)])),
@@ -484,6 +488,8 @@ def test_free_sms_from_environment(t2w: Qwen2_5OmniToken2Wav,
     monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "lots")
     with pytest.raises(ValueError, match="OMNISTAGE_CODE2WAV_FREE_SMS"):
         Qwen2_5OmniCode2WavDecoder(t2w)
+    monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "auto")  # CPU: no graphs, so none
+    assert Qwen2_5OmniCode2WavDecoder(t2w).free_sms == 0
     monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "0")
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
     assert dec.free_sms == 0 and dec.beside_capture_stream is dec.capture_stream is None
