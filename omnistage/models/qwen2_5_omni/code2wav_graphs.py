@@ -155,9 +155,10 @@ class Qwen2_5OmniCode2WavDecoder:
     (BigVGAN's cuDNN convs launch thread-block clusters that an SM subset cannot hold: "cluster
     misconfiguration" at capture, H100). Why: the DiT's big GEMMs fill every SM for their
     whole run, so a decode kernel beside them waits for each one, however high its stream's
-    priority (H100: a talker-sized probe step of 1.1 ms took 15.7 ms beside big GEMMs; with 32
-    SMs left free, 2.4 ms, the GEMMs 22% slower). Alone, the DiT wants every SM: the caller
-    says which case a decode is.
+    priority (benchmarks/green_context_gpu.py, H100: a talker-sized probe step of 1.1 ms took
+    15.9 ms beside big GEMMs; with 16 / 32 / 48 SMs left free, 6.5 / 2.3 / 1.8 ms, the GEMMs
+    ~10% / ~25% / ~30% slower). Alone, the DiT wants every SM: the caller says which case a
+    decode is.
     """
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,

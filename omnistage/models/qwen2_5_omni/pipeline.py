@@ -127,9 +127,9 @@ class Qwen2_5OmniPipeline:
                              f"{', '.join(VOCODER_DTYPES)}")
         # SMs a later-chunk DiT step leaves to the talker beside it (a CUDA green context);
         # None = $OMNISTAGE_CODE2WAV_FREE_SMS, else "auto" on CUDA (H100: 32 of 132). NOTE: H100,
-        # 7B shapes, one device call: c32 73.4 vs 70.7-71.3 audio-s/s, c64 83.1 vs 80.8, c64
-        # TTFA p50 0.86 vs 0.96 s (the talker no longer stalls behind the DiT's GEMMs); the
-        # second graph per shape adds ~35 s of capture at load and ~0.4 GiB
+        # 7B shapes: c32 73.0-74.6 audio-s/s (70.7-71.3 without), c64 81.1-84.0 (80.8-81.2),
+        # the talker's busy time at c64 7.4 s (9.6-10.1 s: it no longer stalls behind the DiT's
+        # GEMMs); the second graph per shape of batch >= 8 adds ~15 s of capture at load
         free_sms = opts.pop("code2wav_free_sms", None)
         if free_sms is not None and free_sms != "auto" and (
                 not isinstance(free_sms, int) or isinstance(free_sms, bool) or free_sms < 0):
