@@ -39,6 +39,7 @@ from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig,
                               assemble_chunks, check_requests)
 from .token2wav import Qwen2_5OmniToken2Wav
+from .voices import MAX_VOICES
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 # windows wider than this (e.g. whole-utterance windows) are not padded; 672 = 28 blocks holds a
@@ -202,7 +203,8 @@ class Qwen2_5OmniCode2WavDecoder:
             raise ValueError(f"vocoder_dtype: {voc_dtype} needs a CUDA model")
         self.vocoder_dtype = voc_dtype
         self.spec, self.block = model.spec, model.spec.block_size
-        self.speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # voice memory -> (its ref_mel, speaker encodings): see speaker()
+        self.speakers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (bucket, width, beside) -> graph; beside: on the SMs free_sms leaves (see NOTE)
         self.dit_graphs: dict[tuple[int, int, bool], _Graph] = {}
@@ -275,13 +277,25 @@ class Qwen2_5OmniCode2WavDecoder:
         return out
 
     def speaker(self, stream: Qwen2_5OmniCode2WavStream) -> torch.Tensor:
-        """The stream's speaker encodings [2, enc_dim] (ref_mel, zeros): once per stream."""
-        spk = self.speakers.get(stream)
-        if spk is None:
-            enc = self.model.code2wav_dit_model.input_embed.spk_encoder
-            ref = stream.ref_mel.to(self.device, self.fast.w_in_static.dtype)
-            spk = torch.cat([enc(ref), enc(torch.zeros_like(ref))])
-            self.speakers[stream] = spk
+        """The stream's speaker encodings [2, enc_dim] (ref_mel, zeros): once per voice.
+
+        NOTE: keyed by the ref_mel's memory (address, shape, strides; voices are read-only), the
+        tensor held in the entry so that its memory cannot be reused meanwhile: streams of one
+        voice share the stage's device copy of it (Qwen2_5OmniCode2WavStage.submit), so a voice
+        costs its two ECAPA-TDNN runs (~90 small eager kernels each) once, not on every
+        request's first-chunk step.
+        """
+        ref = stream.ref_mel
+        key = (ref.device, ref.data_ptr(), tuple(ref.shape), ref.stride(), ref.dtype)
+        hit = self.speakers.get(key)
+        if hit is not None:
+            return hit[1]
+        enc = self.model.code2wav_dit_model.input_embed.spk_encoder
+        mel = ref.to(self.device, self.fast.w_in_static.dtype)
+        spk = torch.cat([enc(mel), enc(torch.zeros_like(mel))])
+        if len(self.speakers) >= MAX_VOICES:  # bounded: the oldest voice goes
+            del self.speakers[next(iter(self.speakers))]
+        self.speakers[key] = (ref, spk)
         return spk
 
     def new_dit_inputs(self, bucket: int, width: int) -> dict[str, torch.Tensor]:

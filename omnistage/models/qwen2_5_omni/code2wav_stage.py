@@ -24,6 +24,7 @@ from omnistage.models.qwen2_5_omni.code2wav_stream import (ODE_STEPS, Qwen2_5Omn
                                                            Qwen2_5OmniCode2WavStream,
                                                            Qwen2_5OmniCode2WavStreamConfig)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
+from omnistage.models.qwen2_5_omni.voices import MAX_VOICES
 from omnistage.models.registry import register_model
 from omnistage.runtime.stage import LaunchedStep, StageEvent, StageStream
 
@@ -119,6 +120,7 @@ class Qwen2_5OmniCode2WavStage:
         self.name, self.model, self.device = name, model, device
         self.stream_config = stream_config  # None = one-shot decode per utterance
         self.requests: dict[str, Code2WavRequest] = {}
+        self.voices: dict[tuple, tuple[torch.Tensor, ...]] = {}  # see _voice_on_device
         self.batch_sizes: list[int] = []
         self.alone_steps = 0  # steps of first chunks that ran with the GPU to themselves
         self.busy_seconds = 0.0
@@ -155,12 +157,26 @@ class Qwen2_5OmniCode2WavStage:
 
     def submit(self, request_id: str, request: Code2WavRequest) -> None:
         # the voice arrives on the host when the front end runs in another process
-        request.cond = request.cond.to(self.device)
-        request.ref_mel = request.ref_mel.to(self.device)
+        request.cond, request.ref_mel = self._voice_on_device(request.cond, request.ref_mel)
         if self.stream_config is not None:
             request.stream = Qwen2_5OmniCode2WavStream(self.model, request.cond, request.ref_mel,
                                                        request.seed, self.stream_config)
         self.requests[request_id] = request
+
+    def _voice_on_device(self, cond: torch.Tensor, ref_mel: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One device copy per voice: the front end passes each voice's own tensors, and the
+        decoder encodes a voice's speaker once per copy (Qwen2_5OmniCode2WavDecoder.speaker).
+        Keyed by the host tensors' identity (voices are read-only), held in the entry (bounded)."""
+        key = (id(cond), id(ref_mel))
+        hit = self.voices.get(key)
+        if hit is not None and hit[0] is cond and hit[1] is ref_mel:
+            return hit[2], hit[3]
+        on_device = cond.to(self.device), ref_mel.to(self.device)
+        if len(self.voices) >= MAX_VOICES:  # the oldest voice goes
+            del self.voices[next(iter(self.voices))]
+        self.voices[key] = (cond, ref_mel, *on_device)
+        return on_device
 
     def add_codes(self, request_id: str, codes: list[int], finished: bool) -> None:
         req = self.requests.get(request_id)

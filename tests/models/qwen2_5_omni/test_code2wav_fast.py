@@ -300,6 +300,22 @@ def test_stage_steps_beside_the_talker(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert stage.job is not None and not stage.job.beside
 
 
+def test_speaker_encoded_once_per_voice(t2w: Qwen2_5OmniToken2Wav) -> None:
+    """Requests of one voice share the stage's copy of it, and the decoder encodes it once; a
+    copy of the same values (another voice object) is encoded on its own, to the same values."""
+    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+    _, cond, ref_mel = _request(1, 30)
+    for rid in ("a", "b"):
+        stage.submit(rid, Code2WavRequest(cond, ref_mel, 7))
+    stage.submit("c", Code2WavRequest(cond.clone(), ref_mel.clone(), 7))
+    a, b, c = (stage.requests[r] for r in "abc")
+    assert a.ref_mel is b.ref_mel and a.cond is b.cond and c.ref_mel is not a.ref_mel
+    dec = stage.decoder
+    with torch.inference_mode():
+        spk_a, spk_b, spk_c = (dec.speaker(r.stream) for r in (a, b, c))
+    assert spk_a is spk_b and len(dec.speakers) == 2 and torch.equal(spk_a, spk_c)
+
+
 def test_is_held(t2w: Qwen2_5OmniToken2Wav) -> None:
     # host logic: a decode whose DiT shape (bucket, width) an unfinished job holds
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
