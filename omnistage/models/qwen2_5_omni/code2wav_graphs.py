@@ -67,12 +67,6 @@ def first_window_width(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> i
     return (config.first_blocks + config.future_blocks) * block
 
 
-def first_vocoder_length(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
-    """Chunk 0's BigVGAN span (frames) before clipping: the chunk and its future overlap."""
-    return config.first_blocks * block + min(config.vocoder_overlap_frames,
-                                             config.future_blocks * block)
-
-
 def window_widths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
     """The fixed DiT widths (frames): chunk 0's unclipped window, the full window, and the
     windows of a half and a quarter chunk.
@@ -93,7 +87,7 @@ def vocoder_lengths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tupl
     ov_past = min(config.vocoder_overlap_frames, config.past_blocks * block)
     ov_future = min(config.vocoder_overlap_frames, config.future_blocks * block)
     return tuple(sorted({ov_past + config.chunk_blocks * block + ov_future,
-                         first_vocoder_length(config, block)}))
+                         config.first_blocks * block + ov_future}))
 
 
 @contextmanager
