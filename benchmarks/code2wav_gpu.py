@@ -38,7 +38,6 @@ except ImportError:  # the GPU machine lacks it; nothing here reads audio files
     sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
 
 from benchmarks.common import sync, timed  # noqa: E402
-from omnistage.engine.ar.cuda_graphs import green_context_stream  # noqa: E402
 from omnistage.models.qwen2_5_omni.code2wav_graphs import Qwen2_5OmniCode2WavDecoder  # noqa: E402
 from omnistage.models.qwen2_5_omni.code2wav_stream import (  # noqa: E402
     Qwen2_5OmniCode2WavStream,
@@ -394,22 +393,11 @@ class Bench:
             out["probe_alone_ms"] = timed(probe.replay, 20)
         with torch.cuda.stream(lo):
             out["dit_alone_ms"] = timed(g.replay, 3)
-        # green_K: the DiT on a green context that leaves K SMs to the probe (the probe stays
-        # on the primary context: it may use every SM the DiT leaves idle)
-        dit_streams = {"interval_graphs": lo}
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        for free in GREEN_FREE_SMS:
-            try:
-                dit_streams[f"green_{free}"] = green_stream(sms - free, dev)
-            except Exception as e:  # noqa: BLE001 - the API is beta; the other modes still run
-                out[f"green_{free}"] = {"error": f"{type(e).__name__}: {e}"}
-        for mode, stream in dit_streams.items():
-            if mode != "interval_graphs":
-                with torch.cuda.stream(stream):
-                    out[f"dit_alone_ms_{mode}"] = timed(g.replay, 3)
+        # (a DiT on fewer SMs beside the probe: benchmarks/green_context_gpu.py; a graph keeps
+        # the SMs of the context it was captured in, so replaying this one elsewhere would not)
 
-        def launch_dit(mode: str, marks: dict) -> None:
-            with torch.cuda.stream(dit_streams[mode]):
+        def launch_dit(marks: dict) -> None:
+            with torch.cuda.stream(lo):
                 marks["start"].record()
                 t = time.perf_counter()
                 g.replay()
@@ -417,57 +405,42 @@ class Bench:
                 marks["end"].record()
             marks["recorded"].set()
 
-        for mode in dit_streams:
-            for _ in range(2):  # the second run is the one reported (the first warms)
-                sync()
-                marks = {"start": torch.cuda.Event(enable_timing=True),
-                         "end": torch.cuda.Event(enable_timing=True),
-                         "recorded": threading.Event()}
-                base = torch.cuda.Event(enable_timing=True)
+        for _ in range(2):  # the second run is the one reported (the first warms)
+            sync()
+            marks = {"start": torch.cuda.Event(enable_timing=True),
+                     "end": torch.cuda.Event(enable_timing=True), "recorded": threading.Event()}
+            base = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(hi):
+                base.record()
+            thread = threading.Thread(target=launch_dit, args=(marks,))
+            thread.start()
+            ends, host_ms = [], []
+            while len(ends) < 3000:
+                if marks["recorded"].is_set() and marks["end"].query():
+                    break
+                if len(ends) >= 2:
+                    ends[-2].synchronize()
+                t = time.perf_counter()
                 with torch.cuda.stream(hi):
-                    base.record()
-                thread = threading.Thread(target=launch_dit, args=(mode, marks))
-                thread.start()
-                ends, host_ms = [], []
-                while len(ends) < 3000:
-                    if marks["recorded"].is_set() and marks["end"].query():
-                        break
-                    if len(ends) >= 2:
-                        ends[-2].synchronize()
-                    t = time.perf_counter()
-                    with torch.cuda.stream(hi):
-                        probe.replay()
-                        ends.append(torch.cuda.Event(enable_timing=True))
-                        ends[-1].record()
-                    host_ms.append(1e3 * (time.perf_counter() - t))
-                thread.join()
-                sync()
-            t0 = base.elapsed_time(marks["start"])
-            t1 = base.elapsed_time(marks["end"])
-            during = [e for e in ends if t0 <= base.elapsed_time(e) <= t1]
-            dit_ms = t1 - t0
-            alone = out.get(f"dit_alone_ms_{mode}", out["dit_alone_ms"])
-            out[mode] = {
-                "dit_ms": round(dit_ms, 1), "dit_launch_host_ms": round(marks["launch_ms"], 1),
-                "probe_steps_during_dit": len(during),
-                "probe_ms_per_step_during_dit": round(dit_ms / max(1, len(during)), 2),
-                "probe_launch_host_ms_max": round(max(host_ms), 2),
-                "probe_launch_host_ms_p50": round(sorted(host_ms)[len(host_ms) // 2], 3),
-                "overlap_gain": round((out["dit_alone_ms"] + len(during) * out["probe_alone_ms"])
-                                      / dit_ms, 3),
-                "dit_slowdown_alone": round(alone / out["dit_alone_ms"], 3)}
+                    probe.replay()
+                    ends.append(torch.cuda.Event(enable_timing=True))
+                    ends[-1].record()
+                host_ms.append(1e3 * (time.perf_counter() - t))
+            thread.join()
+            sync()
+        t0 = base.elapsed_time(marks["start"])
+        t1 = base.elapsed_time(marks["end"])
+        during = [e for e in ends if t0 <= base.elapsed_time(e) <= t1]
+        dit_ms = t1 - t0
+        out["interval_graphs"] = {
+            "dit_ms": round(dit_ms, 1), "dit_launch_host_ms": round(marks["launch_ms"], 1),
+            "probe_steps_during_dit": len(during),
+            "probe_ms_per_step_during_dit": round(dit_ms / max(1, len(during)), 2),
+            "probe_launch_host_ms_max": round(max(host_ms), 2),
+            "probe_launch_host_ms_p50": round(sorted(host_ms)[len(host_ms) // 2], 3),
+            "overlap_gain": round((out["dit_alone_ms"] + len(during) * out["probe_alone_ms"])
+                                  / dit_ms, 3)}
         return out
-
-
-GREEN_FREE_SMS = (16, 32)  # overlap: SMs a green context keeps free of the DiT
-GREEN_CONTEXTS: list = []  # kept alive as long as their streams
-
-
-def green_stream(num_sms: int, dev: torch.device) -> torch.cuda.Stream:
-    """A stream whose kernels run on num_sms SMs only (a CUDA green context)."""
-    context, stream = green_context_stream(dev, num_sms)
-    GREEN_CONTEXTS.append(context)
-    return stream
 
 
 def compare(got: list, ref: list) -> dict:

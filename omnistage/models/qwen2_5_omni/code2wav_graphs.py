@@ -369,8 +369,8 @@ class Qwen2_5OmniCode2WavDecoder:
     def dit_graph(self, bucket: int, width: int, beside: bool = False) -> _Graph:
         """The DiT graph of (bucket, width), captured on first use (beside: the one on the SMs
         that free_sms leaves; the same as beside=False when free_sms is 0)."""
-        beside = self._key(bucket, width, beside)[2]
-        g = self.dit_graphs.get((bucket, width, beside))
+        key = self._key(bucket, width, beside)
+        g = self.dit_graphs.get(key)
         if g is None:
             g = _Graph(self.new_dit_inputs(bucket, width))
             if self.compile:
@@ -380,10 +380,10 @@ class Qwen2_5OmniCode2WavDecoder:
             # same as one graph (H100, batch 32 x 360 frames: 654.5 vs 651.6 ms)
             for i in range(len(self.fast.widths)):
                 graph, _ = self._capture(lambda i=i: self._dit_interval(g, i),
-                                         ("dit", bucket, width), beside)
+                                         ("dit", bucket, width), key[2])
                 g.segments.append(graph)
             g.output = g.state.x
-            self.dit_graphs[(bucket, width, beside)] = g
+            self.dit_graphs[key] = g
         return g
 
     def _dit_interval(self, g: _Graph, i: int) -> torch.Tensor:
