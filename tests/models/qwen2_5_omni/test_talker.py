@@ -55,7 +55,8 @@ class HFReference:
             return None
         x = kwargs.get("inputs_embeds")
         cur = x.shape[1] if x is not None else kwargs["input_ids"].shape[1]
-        cache = kwargs.get("past_key_values")
+        # transformers 5.24 renamed the talker forward's `past_key_values` keyword to `cache`
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         past = cache.get_seq_length() if cache is not None else 0
         kwargs["attention_mask"] = torch.ones(1, past + cur, dtype=torch.long)
         return args, kwargs
