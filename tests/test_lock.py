@@ -1,4 +1,4 @@
-"""constraints.txt locks what the README's commands install: every dependency in pyproject's range."""
+"""constraints.txt locks what the README installs: every dependency, inside pyproject's range."""
 import re
 import tomllib
 from pathlib import Path
@@ -22,12 +22,14 @@ def _pins() -> dict[str, Version]:
 
 def test_lock_pins_every_dependency_inside_pyproject_range():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    names = project["dependencies"] + project["optional-dependencies"]["test"]
+    reqs = [Requirement(r) for r in names]
     pins = _pins()
     for req in reqs:
         name = canonicalize_name(req.name)
         assert name in pins, f"{req.name} is not in constraints.txt"
-        assert req.specifier.contains(pins[name]), f"{req.name}: {pins[name]} outside {req.specifier}"
+        assert req.specifier.contains(pins[name]), \
+            f"{req.name}: {pins[name]} is outside {req.specifier}"
         upper = [s for s in req.specifier if s.operator == "<"]
         assert upper, f"pyproject: {req} has no upper bound (cap it at the next major version)"
     assert pins["triton"] == Version("3.6.0")  # the GPU image's Triton
