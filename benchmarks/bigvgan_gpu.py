@@ -67,22 +67,23 @@ def err(x: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 @contextlib.contextmanager
-def activation_path(path: str):
-    """Runs the module's AntiAliasedSnake on `path` (its env switch; on the CPU the smoke
-    test also forces the dispatch, which otherwise keeps the CPU on torch)."""
+def activation_path(module: torch.nn.Module, path: str):
+    """Runs the module's anti-aliased Snakes on `path` (their `triton` option: "off" for the
+    torch ops; on the CPU the smoke test also forces the dispatch, which otherwise keeps the
+    CPU on torch)."""
     from omnistage.models.qwen2_5_omni import token2wav_bigvgan as tb
-    old_env, old_fn = os.environ.get("OMNISTAGE_BIGVGAN_TRITON"), tb._triton_variant
-    os.environ["OMNISTAGE_BIGVGAN_TRITON"] = "0" if path == "torch" else path
+    snakes = [m for m in module.modules() if isinstance(m, tb.Qwen2_5OmniAntiAliasedSnake)]
+    old_modes, old_fn = [m.triton for m in snakes], tb._triton_variant
+    for m in snakes:
+        m.triton = "off" if path == "torch" else path
     if not torch.cuda.is_available() and path != "torch":
         tb._triton_variant = lambda x, act: path
     try:
         yield
     finally:
         tb._triton_variant = old_fn
-        if old_env is None:
-            os.environ.pop("OMNISTAGE_BIGVGAN_TRITON", None)
-        else:
-            os.environ["OMNISTAGE_BIGVGAN_TRITON"] = old_env
+        for m, mode in zip(snakes, old_modes, strict=True):
+            m.triton = mode
 
 
 @contextlib.contextmanager
@@ -159,7 +160,7 @@ def _op_shape(args, device: str, B: int, C: int, L: int) -> dict:
     x = torch.randn(B, C, L, device=device)
     a, b, w = m.act.alpha.detach(), m.act.beta.detach(), m.filter
     gbytes = 2 * x.numel() * 4 / 1e9
-    with activation_path("torch"), torch.inference_mode():
+    with activation_path(m, "torch"), torch.inference_mode():
         with conv_precision("fp32"):  # the reference: cuDNN's depthwise convs without TF32
             ref = m(x)
         row["torch_ms"] = timed(lambda: m(x), args.reps)  # as configured (env section)
@@ -179,7 +180,7 @@ def _op_shape(args, device: str, B: int, C: int, L: int) -> dict:
                 row[f"{name}_error"] = repr(e)[:500]
     if not args.small:  # bf16 in, bf16 out, fp32 math (vs fp32 torch on the same input)
         xb = x.bfloat16()
-        with activation_path("torch"), torch.inference_mode(), conv_precision("fp32"):
+        with activation_path(m, "torch"), torch.inference_mode(), conv_precision("fp32"):
             ref_b = m(xb.float())
         row["recompute_bf16_err"] = err(anti_aliased_snake(xb, a, b, w), ref_b)
         row["recompute_bf16_ms"] = timed(lambda: anti_aliased_snake(xb, a, b, w), args.reps)
@@ -209,7 +210,7 @@ def section_vocoder(args, device: str, voc, cfg: dict) -> dict:
             outs = {}
             for path in PATHS:
                 try:
-                    with activation_path(path), torch.inference_mode():
+                    with activation_path(voc, path), torch.inference_mode():
                         outs[path] = voc(mel).clone()
                         row[f"{path}_eager_ms"] = timed(lambda m=mel: voc(m), args.reps)
                         if device == "cuda":
@@ -244,7 +245,7 @@ def section_precision(args, device: str, voc, cfg: dict) -> dict:
     batch = 2 if args.small else 8
     mel = make_mel(batch, cfg, args.frames, device)
     res: dict = {"batch": batch}
-    with conv_precision("fp32"), activation_path("torch"), torch.inference_mode():
+    with conv_precision("fp32"), activation_path(voc, "torch"), torch.inference_mode():
         ref = voc(mel).clone()
     # *_module: a copy of the vocoder in that dtype, fed mel in it (no per-call weight casts)
     modes = ("fp32", "tf32", "bf16", "fp16", "fp16_module", "bf16_module")
@@ -253,7 +254,7 @@ def section_precision(args, device: str, voc, cfg: dict) -> dict:
             dtype = {"fp16_module": torch.float16, "bf16_module": torch.bfloat16}.get(mode)
             net = copy.deepcopy(voc).to(dtype) if dtype is not None else voc
             x = mel.to(dtype) if dtype is not None else mel
-            with conv_precision(mode), activation_path(args.precision_path), \
+            with conv_precision(mode), activation_path(net, args.precision_path), \
                     torch.inference_mode():
                 out = net(x).float().clone()
                 res[f"{mode}_vs_fp32_torch"] = err(out, ref)
@@ -289,7 +290,7 @@ def section_profile(args, device: str, voc, cfg: dict) -> dict:
     res = {}
     for path in ("torch", "recompute"):
         try:
-            with activation_path(path), torch.inference_mode():
+            with activation_path(voc, path), torch.inference_mode():
                 voc(mel)
                 sync()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -202,7 +202,7 @@ class Bench:
             lambda: dec.decode([(self.streams(1, config)[0], k)]))
         out["graphs"] = dec.stats()
         out["graph_MiB"] = {f"{kind}_b{b}_w{w}": round(n / 2**20, 1)
-                            for (kind, b, w), n in dec.graph_bytes.items()}
+                            for (kind, b, w), n in dec.graphs.graph_bytes.items()}
         return out
 
     def accuracy(self) -> dict:
@@ -386,7 +386,7 @@ class Bench:
                 h = h + F.linear(F.silu(gu[:, :ff]) * gu[:, ff:], wd)
             return h
 
-        probe, _ = dec._capture(probe_step, ("probe", bucket, d))
+        probe, _ = dec.graphs.capture(probe_step, ("probe", bucket, d))
         hi, lo = private_stream(dev, -2), private_stream(dev, 0)
         out: dict = {}
         with torch.cuda.stream(hi):

@@ -2,13 +2,13 @@
 
 ops: per model (talker d=896, thinker d=3584), op (qkv: norm + q/k/v, o: o_proj + residual,
   gate_up: norm + gate/up + SiLU*mul, down: down_proj + residual) and M = 1, 2, 4, 8 rows: ours,
-  the torch expression compiled as layers.KERNELS are (torch.compile dynamic=True) and a plain
+  the torch expression compiled as layers.compiled_kernels() does (dynamic=True) and a plain
   cuBLAS F.linear of the same weight. Each is captured in a CUDA graph replayed --reps times;
   per call: us, GB/s of weight traffic, max abs diff vs the eager torch expression. The graph
   cycles through copies of the weight so that they do not stay in L2 between calls.
 stack: the talker's 24 layers (and the thinker's 28) with random weights, decode batches of
   T = 1 and 8 rows (paged KV, 512 tokens of context each): forward in a CUDA graph with
-  layers.TRITON_GEMV on vs off (off: the compiled torch kernels + cuBLAS), max abs diff; the
+  KernelOptions.triton_gemv on vs off (off: the compiled torch kernels + cuBLAS), max abs diff; the
   Triton path also without programmatic dependent launch (gemv_nopdl, triton_pdl.py) and with
   split-K partials summed by a second launch (gemv_reduce_launch).
 sweep (--sweep): alternative GemvConfigs per shape at M = 1 and 8, fastest vs the table's.
@@ -207,7 +207,7 @@ def decode_batch(net, cfg, T: int, dev, ctx: int = 512, page: int = 16):
     """Fresh random paged caches bound to the layers and a decode batch of T rows, each
     sequence with ctx tokens (this step's K/V written at its last slot)."""
     from omnistage.engine.ar.attention import AttentionMetadata
-    from omnistage.models.interface import ForwardBatch
+    from omnistage.engine.ar.interface import ForwardBatch
     L, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     nb_seq = -(-ctx // page)
     shape = (L, T * nb_seq + 1, page, kv, hd)
@@ -227,27 +227,22 @@ def decode_batch(net, cfg, T: int, dev, ctx: int = 512, page: int = 16):
 
 
 def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> dict:
-    from omnistage.engine.ar import triton_pdl
-    from omnistage.models import layers
+    from omnistage.engine.ar.kernels import KernelOptions, configure_kernels
     x, batch = decode_batch(net, cfg, T, dev)
-    pdl_saved = triton_pdl.ENABLED
     res: dict = {"weight_MB": round(wbytes / 1e6, 1)}
     outs = {}
-    max_rows = layers.GEMV_MAX_ROWS
-    layers.GEMV_MAX_ROWS = max(max_rows, T)  # measure T rows even where the engine would not
     # gemv_nopdl: the same kernels launched without programmatic dependent launch;
     # gemv_reduce_launch: split-K partials summed by a second launch
-    from omnistage.engine.ar import triton_gemv
-    fused_saved = triton_gemv.FUSED_REDUCE
     for name, flag, pdl, fused in (("gemv", True, True, True), ("gemv_nopdl", True, False, True),
                                    ("gemv_reduce_launch", True, True, False),
                                    ("torch", False, True, True)):
-        layers.TRITON_GEMV = flag
-        triton_pdl.ENABLED, triton_gemv.FUSED_REDUCE = pdl, fused
-        if tiny:  # on the CPU only forced switches reach the Triton paths
-            layers.FUSED_ROPE_KV = True
+        # T rows measured even where the engine would not take the GEMVs; the "off" path
+        # compiled as the engine runs it; on the CPU only forced switches reach Triton
+        configure_kernels(net, KernelOptions(
+            compile=dev.type == "cuda", fused_rope_kv=True if tiny else None, triton_gemv=flag,
+            gemv_max_rows=max(1, T), gemv_fused_reduce=fused, pdl=pdl))
         if flag:
-            res["uses_gemv"] = layers._use_triton_gemv(x)
+            res["uses_gemv"] = net.layers[0].uses_triton_gemv(x)
         try:
             with torch.no_grad():
                 res[f"{name}_ms"] = round(timer(lambda: net(x, batch)) / 1e3, 4)
@@ -268,17 +263,11 @@ def stack_case(timer: Timer, net, cfg, wbytes: int, T: int, dev, tiny: bool) -> 
         res["fused_reduce_max_abs_diff"] = (outs["gemv"].float() - outs["gemv_reduce_launch"]
                                             .float()).abs().max().item()
         res["fused_reduce_speedup"] = round(res["gemv_reduce_launch_ms"] / res["gemv_ms"], 3)
-    layers.GEMV_MAX_ROWS = max_rows
-    triton_pdl.ENABLED, triton_gemv.FUSED_REDUCE = pdl_saved, fused_saved
     return res
 
 
 def stack_section(timer: Timer, dev, tiny: bool, models: list[str]) -> dict:
-    from omnistage.models import layers
     out: dict = {}
-    if dev.type == "cuda":
-        layers.compile_layer_kernels()  # the "off" path as the engine runs it
-    saved = layers.TRITON_GEMV, layers.FUSED_ROPE_KV
     for model in models:
         net = None
         for T in (1, 8):
@@ -289,8 +278,6 @@ def stack_section(timer: Timer, dev, tiny: bool, models: list[str]) -> dict:
                 out[key] = stack_case(timer, net, cfg, wbytes, T, dev, tiny)
             except Exception as e:  # noqa: BLE001 - recorded, next case runs
                 out[key] = _err(e)
-            finally:
-                layers.TRITON_GEMV, layers.FUSED_ROPE_KV = saved
             print(key, out[key], file=sys.stderr)
         net = None
         if dev.type == "cuda":

@@ -7,7 +7,7 @@ captured either there ("primary": every SM) or on a green context that leaves `f
 (`green_free{free}`: the graph's kernels are bound to the other SMs wherever it replays).
 Reports per mode: the GEMM graph's time alone and beside the probes, the probe steps done
 meanwhile and their ms per step (alone: `probe_alone_ms`). This is what code2wav's free_sms
-(code2wav_graphs.py) rests on.
+(engine/gen/graphs.py, for code2wav_graphs.py) rests on.
 
   python benchmarks/green_context_gpu.py --out benchmarks/results/green_context_gpu_h100.json
 """

@@ -1,14 +1,13 @@
 """Decode-step cost of the AR engine at Qwen2.5-Omni-7B shapes (random bf16 weights, CUDA
 graphs): thinker greedy ms/token and talker ms/code at batch 1/8/32 (--batches), with the
 talker's sampling params (temperature 0.9, top_k 40, top_p 0.8, repetition penalty 1.05,
-suppressed codec bos, min_tokens holding back the stop codes), each with the device-state
-sampler inside the graphs ("device") and the older host-built sampler ("legacy",
-OMNISTAGE_DEVICE_SAMPLER=0). Per case: step_ms (whole engine step, wall clock, with async
-scheduling: each step launched before the previous one's tokens are read), step_ms_sync (the
-same without async scheduling), run_ms (CUDA events around the graph runner, synchronized:
-input fill + replays), replay_ms (the step's graphs replayed back to back, GPU only), and
-whether the first tokens equal the legacy path's. --prefill: a batch-1 prefill of the 60-token
-prompt per model (wall ms, GPU kernel ms, host profile on stderr).
+suppressed codec bos, min_tokens holding back the stop codes), the device-state sampler
+inside the graphs (case keys end in "_device"). Per case: step_ms (whole engine step, wall
+clock, with async scheduling: each step launched before the previous one's tokens are read),
+step_ms_sync (the same without async scheduling), run_ms (CUDA events around the graph runner,
+synchronized: input fill + replays), replay_ms (the step's graphs replayed back to back, GPU
+only) and the first tokens. --prefill: a batch-1 prefill of the 60-token prompt per model
+(wall ms, GPU kernel ms, host profile on stderr).
 Prints one JSON object; a failing case records its error and the others still run.
 
     python benchmarks/profile_decode.py [--steps 100] [--profile] [--tiny]
@@ -50,7 +49,6 @@ from benchmarks.qwen2_5_omni_gpu import thinker_seqs as prompt_seqs  # noqa: E40
 
 WARM = 4  # tokens per sequence before timing (prefill, graph captures)
 RUN_STEPS = 20  # steps with the synchronized timer around each graph run
-MODES = ("legacy", "device")  # --device-only: the device-state sampler alone
 KERNEL_PROFILE = False  # --kernels: kernel times inside the step's graphs
 PREFILL = False  # --prefill: also a batch-1 prefill of the prompt per model
 
@@ -61,8 +59,7 @@ def thinker_seqs(vocab: int, B: int, n: int, tag: str) -> list[Sequence]:
     return prompt_seqs(prompt, n, B, tag)
 
 
-def measure(engine: AREngine, seqs: list[Sequence], steps: int, legacy: bool, dev) -> dict:
-    engine.runner.legacy_sampler = legacy
+def measure(engine: AREngine, seqs: list[Sequence], steps: int, dev) -> dict:
     for s in seqs:
         engine.add_request(s)
     while min(len(s.output_token_ids) for s in seqs) < WARM:
@@ -190,16 +187,12 @@ def section(res: dict, name: str, engine: AREngine, make, batches, steps: int, d
             res[f"{name}_prefill_b1"] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc(file=sys.stderr)
     for B in batches:
-        for mode in MODES:
-            key = f"{name}_b{B}_{mode}"
-            try:
-                res[key] = measure(engine, make(B, key), steps, mode == "legacy", dev)
-            except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
-                res[key] = {"error": f"{type(e).__name__}: {e}"}
-                traceback.print_exc(file=sys.stderr)
-        a, b = res.get(f"{name}_b{B}_legacy", {}), res.get(f"{name}_b{B}_device", {})
-        if "tokens" in a and "tokens" in b:
-            b["tokens_match_legacy"] = a["tokens"] == b["tokens"]
+        key = f"{name}_b{B}_device"
+        try:
+            res[key] = measure(engine, make(B, key), steps, dev)
+        except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+            res[key] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc(file=sys.stderr)
 
 
 def run_thinker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
@@ -212,7 +205,6 @@ def run_thinker(res: dict, args, cfg: dict, n: int, dev, dtype) -> None:
                 args.steps, dev)
         if args.profile:
             seqs = thinker_seqs(vocab, 1, 10 ** 4, "prof")
-            eng.runner.legacy_sampler = False
             for s in seqs:
                 eng.add_request(s)
             for _ in range(WARM):
@@ -254,8 +246,6 @@ def main() -> None:
     ap.add_argument("--only", choices=("thinker", "talker"), default=None)
     ap.add_argument("--prefill", action="store_true",
                     help="also time a batch-1 prefill of the 60-token prompt (and profile it)")
-    ap.add_argument("--device-only", action="store_true",
-                    help="skip the legacy host-built sampler cases")
     ap.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     args = ap.parse_args()
     try:
@@ -264,10 +254,8 @@ def main() -> None:
         raise SystemExit(f"--batches: comma-separated ints, got {args.batches!r}") from None
     if not args.batches or min(args.batches) < 1:
         raise SystemExit(f"--batches: sizes >= 1, got {args.batches}")
-    global KERNEL_PROFILE, MODES, PREFILL
+    global KERNEL_PROFILE, PREFILL
     KERNEL_PROFILE, PREFILL = args.kernels, args.prefill
-    if args.device_only:
-        MODES = ("device",)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = omni_config(args.tiny)

@@ -21,7 +21,6 @@ import dataclasses
 import gc
 import importlib.machinery
 import json
-import os
 import sys
 import time
 import types
@@ -134,6 +133,8 @@ def main() -> None:
     ap.add_argument("--logit-prompts", type=int, default=4)
     ap.add_argument("--logit-prompt-len", type=int, default=160)
     ap.add_argument("--logit-decode-len", type=int, default=48)
+    ap.add_argument("--cuda-graphs", choices=("auto", "off", "eager"), default="auto",
+                    help="the AR engines' EngineConfig.cuda_graphs")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -143,7 +144,7 @@ def main() -> None:
     cfg = omni_config(args.tiny)
     res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype), "text_tokens": TN, "codes": TK,
-                 "cuda_graphs": os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1") != "0"}
+                 "cuda_graphs": args.cuda_graphs != "off"}
 
     def report():
         if dev.type == "cuda":
@@ -162,7 +163,7 @@ def main() -> None:
     sync(dev)
     res["thinker_build_s"] = round(time.perf_counter() - t0, 1)
     ecfg = EngineConfig(max_model_len=2048, max_num_seqs=max(batches),
-                        max_num_batched_tokens=4096)
+                        max_num_batched_tokens=4096, cuda_graphs=args.cuda_graphs)
     t_eng = AREngine(thinker, ecfg, dev, dtype, eos_token_ids={IM_E})
     res["thinker"] = {}
     for B in batches:  # warm-up run per size: Triton compiles and graph capture stay out

@@ -41,7 +41,7 @@ from omnistage.sampling_params import SamplingParams  # noqa: E402
 from omnistage.runtime.stage import StageStream  # noqa: E402
 
 SR = 24000
-ROUND_TIMEOUT_S = float(os.environ.get("OMNISTAGE_BENCH_ROUND_TIMEOUT", "240"))
+ROUND_TIMEOUT_S = {"seconds": 240.0}  # --round-timeout-s
 MARKER = "pipeline_bench_build.json"
 HF_H100 = {"bs1_rtf": 5.285, "bs1_first_audio_s": 108.23, "bs8_audio_s_per_s": 1.641,
            "bs32_audio_s_per_s": 3.273}
@@ -194,7 +194,7 @@ def trace_code2wav(llm: AsyncOmniLLM) -> None:
     chunks being its step's; and per request when its first chunk became ready and when it was
     launched (FIRST_READY, FIRST_LAUNCH): where a request's time to first audio goes."""
     stage = llm.pipeline.workers.get("code2wav")
-    if stage is None or not hasattr(stage, "launch") or stage.stream_config is None:
+    if stage is None or not hasattr(stage, "launch") or stage.model.stream_config is None:
         return
     launch, collect, add_codes = stage.launch, stage.collect, stage.add_codes
     started: dict[int, tuple] = {}
@@ -264,9 +264,9 @@ def trace_host_calls(llm: AsyncOmniLLM) -> None:
             timed(host, attr, f"{name}.{attr}")
     timed(llm.runtime, "_route", "route")  # a stage event to the client and downstream
     stage = llm.pipeline.workers.get("code2wav")
-    if stage is not None and stage.stream_config is not None:
+    if stage is not None and stage.model.stream_config is not None:
         for attr in ("decode", "begin_job", "advance", "finish"):  # (the launcher thread's)
-            timed(stage.decoder, attr, f"decoder.{attr}", profiled=False)
+            timed(stage.model.decoder, attr, f"decoder.{attr}", profiled=False)
 
 
 TRITON_COMPILES: list[tuple] = []  # (time, kernel and specialization) of each Triton compile
@@ -328,9 +328,9 @@ def stage_graphs(llm: AsyncOmniLLM) -> dict[str, float]:
     """Graph counts and capture/compile seconds of code2wav's decoder: a round that captures
     or compiles (a shape the warm-up missed) shows here."""
     stage = llm.pipeline.workers.get("code2wav")
-    if stage is None or getattr(stage, "_decoder", None) is None:
+    if stage is None or getattr(getattr(stage, "model", None), "_decoder", None) is None:
         return {}
-    return {k: v for k, v in stage.decoder.stats().items()
+    return {k: v for k, v in stage.model.decoder.stats().items()
             if k in ("dit_graphs", "vocoder_graphs", "compile_seconds", "capture_seconds")}
 
 
@@ -356,11 +356,11 @@ async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, see
     try:
         rows = await asyncio.wait_for(
             asyncio.gather(*[one_request(llm, p, sp, stagger_s * i / c)
-                             for i, p in enumerate(ids)]), ROUND_TIMEOUT_S)
+                             for i, p in enumerate(ids)]), ROUND_TIMEOUT_S["seconds"])
     except TimeoutError:  # a hung round: say where every thread and stream is, then stop
         faulthandler.dump_traceback()
-        print("stuck in flight:", {n: w.gpu.describe() for n, w in llm.pipeline.workers.items()
-                                   if n in llm.runtime.inflight and hasattr(w, "gpu")},
+        print("stuck in flight:", {n: w.describe() for n, w in llm.pipeline.workers.items()
+                                   if n in llm.runtime.inflight},
               flush=True)
         os._exit(3)
     wall = time.perf_counter() - t0
@@ -545,18 +545,20 @@ async def main_async(args, res: dict, save) -> None:
     save()
     conc = [int(c) for c in args.concurrency.split(",")]
     t1 = time.perf_counter()
+    from omnistage.models.qwen2_5_omni.code2wav_options import Qwen2_5OmniCode2WavOptions
     from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
-    window = Qwen2_5OmniCode2WavStreamConfig(chunk_blocks=args.chunk_blocks,
-                                             first_chunk_blocks=args.first_chunk_blocks)
-    res["code2wav_chunk_blocks"] = args.chunk_blocks
-    res["code2wav_first_chunk_blocks"] = args.first_chunk_blocks
-    # read by the code2wav stage's streaming decoder when it is built (also in a worker process)
-    os.environ["OMNISTAGE_CODE2WAV_DIT_DTYPE"] = args.code2wav_dtype
-    res["code2wav_dit_dtype"] = args.code2wav_dtype
-    os.environ["OMNISTAGE_CODE2WAV_VOCODER_DTYPE"] = args.code2wav_vocoder_dtype
-    res["code2wav_vocoder_dtype"] = args.code2wav_vocoder_dtype
-    if args.code2wav_free_sms is not None:
-        os.environ["OMNISTAGE_CODE2WAV_FREE_SMS"] = str(args.code2wav_free_sms)
+    # None: the engine's defaults (CUDA: a 1-block first chunk, then 24-block chunks)
+    window = Qwen2_5OmniCode2WavOptions().stream_config(dev)
+    if args.chunk_blocks is not None or args.first_chunk_blocks is not None:
+        window = Qwen2_5OmniCode2WavStreamConfig(
+            chunk_blocks=args.chunk_blocks or window.chunk_blocks,
+            first_chunk_blocks=args.first_chunk_blocks)
+    res["code2wav_chunk_blocks"] = window.chunk_blocks
+    res["code2wav_first_chunk_blocks"] = window.first_blocks
+    options = Qwen2_5OmniCode2WavOptions(dit_dtype=args.code2wav_dtype,
+                                         vocoder_dtype=args.code2wav_vocoder_dtype)
+    res["code2wav_dit_dtype"] = options.dit_dtype_for(dev)
+    res["code2wav_vocoder_dtype"] = options.vocoder_dtype_for(dev)
     pipeline = None
     if args.process_stages:  # these stages in processes of their own (pipeline YAML `worker`)
         import yaml
@@ -575,11 +577,13 @@ async def main_async(args, res: dict, save) -> None:
               + ([args.staggered_c] if args.staggered_modes else []))
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
-                       code2wav_window=window)
+                       code2wav_window=window, code2wav_dit_dtype=args.code2wav_dtype,
+                       code2wav_vocoder_dtype=args.code2wav_vocoder_dtype,
+                       code2wav_free_sms=args.code2wav_free_sms)
     res["load_s"] = round(time.perf_counter() - t1, 1)
     c2w = llm.pipeline.workers.get("code2wav")
-    if getattr(c2w, "_decoder", None) is not None:
-        res["code2wav_free_sms"] = c2w.decoder.free_sms
+    if getattr(getattr(c2w, "model", None), "_decoder", None) is not None:
+        res["code2wav_free_sms"] = c2w.model.decoder.free_sms
     trace_code2wav(llm)
     trace_host_calls(llm)
     trace_triton_compiles()
@@ -639,9 +643,9 @@ async def main_async(args, res: dict, save) -> None:
         if oneshot and stage is None:
             res["runs"][name] = "skipped: code2wav runs in its own process"
             continue
-        window = stage.stream_config if stage is not None else None
+        window = stage.model.stream_config if stage is not None else None
         if oneshot:
-            stage.stream_config = None  # read at submit and step: benchmark-side switch
+            stage.model.stream_config = None  # read at submit and step: benchmark-side switch
         overlap = llm.runtime.overlap
         if mode == "serial":  # the loop reads it each pass; nothing is in flight between rounds
             llm.runtime.overlap = False
@@ -680,7 +684,7 @@ async def main_async(args, res: dict, save) -> None:
             for e, on in zip(engines, async_on):
                 e.async_scheduling = on
             if stage is not None:
-                stage.stream_config = window
+                stage.model.stream_config = window
                 stage.first_alone = first_alone
                 stage.launcher = launcher
             for w, gpu, pg in zip(ar_workers, ar_streams, prefill_graphs):
@@ -725,16 +729,16 @@ def main() -> None:
                          "warm-ups, each holding the orchestrator 0.5-1.1 s)")
     ap.add_argument("--first-shared", default="",
                     help="concurrencies also run with first audio chunks sharing the GPU with "
-                         "the AR stages (OMNISTAGE_FIRST_CHUNK_ALONE=0 for that round)")
+                         "the AR stages (code2wav_first_alone=False for that round)")
     ap.add_argument("--ar-streams-shared", default="",
                     help="concurrencies also run with the thinker and talker on one CUDA stream "
-                         "(as OMNISTAGE_AR_STREAM=NAME; by default each has its own)")
+                         "(as the engine option ar_stream=NAME; by default each has its own)")
     ap.add_argument("--ar-streams-flat", default="",
                     help="concurrencies also run with the thinker's and talker's streams at one "
                          "priority (by default the thinker's is higher)")
     ap.add_argument("--eager-prefill", default="",
                     help="concurrencies also run with the AR stages' prefills eager (no prefill "
-                         "CUDA graphs, as OMNISTAGE_PREFILL_GRAPHS=0)")
+                         "CUDA graphs, as the engine option prefill_graphs=False)")
     ap.add_argument("--code2wav-inline", default="",
                     help="concurrencies also run with code2wav's launches on the orchestrator "
                          "thread (no launcher thread)")
@@ -745,14 +749,16 @@ def main() -> None:
     ap.add_argument("--c1-repeats", type=int, default=3,
                     help="concurrency-1 rounds run this many times (medians reported)")
     ap.add_argument("--profile-code2wav", action="store_true")
-    ap.add_argument("--chunk-blocks", type=int, default=1, help="DiT blocks per audio chunk")
+    ap.add_argument("--chunk-blocks", type=int, default=None,
+                    help="DiT blocks per audio chunk (default: the engine's, 24 on CUDA)")
     ap.add_argument("--first-chunk-blocks", type=int, default=None,
                     help="DiT blocks of the first audio chunk (default: --chunk-blocks)")
-    ap.add_argument("--code2wav-dtype", default="float32", choices=["float32", "tf32", "bfloat16"],
-                    help="compute dtype of the streaming code2wav DiT")
-    ap.add_argument("--code2wav-vocoder-dtype", default="float16",
+    ap.add_argument("--code2wav-dtype", default=None, choices=["float32", "tf32", "bfloat16"],
+                    help="compute dtype of the streaming code2wav DiT (default: the engine's, "
+                         "bfloat16 on CUDA)")
+    ap.add_argument("--code2wav-vocoder-dtype", default=None,
                     choices=["float32", "float16", "bfloat16"],
-                    help="dtype of BigVGAN's convs (float16: the pipeline's CUDA default)")
+                    help="dtype of BigVGAN's convs (default: the engine's, float16 on CUDA)")
     ap.add_argument("--code2wav-free-sms", type=int, default=None,
                     help="SMs that later-chunk DiT steps leave to the AR stages beside them "
                          "(a CUDA green context; default: the pipeline's, auto)")
@@ -769,8 +775,11 @@ def main() -> None:
     ap.add_argument("--profile-host", default="",
                     help="rounds (by name: c64, c32_staggered, ...) whose orchestrator-thread "
                          "host calls are cProfiled (top functions on stderr)")
+    ap.add_argument("--round-timeout-s", type=float, default=240.0,
+                    help="a round taking longer dumps every thread's stack and stops")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    ROUND_TIMEOUT_S["seconds"] = args.round_timeout_s
     if args.watchdog_s:
         faulthandler.dump_traceback_later(args.watchdog_s, repeat=True, exit=False)
     res: dict = {"device": (torch.cuda.get_device_name() if (args.device or "cuda") != "cpu"
@@ -778,7 +787,7 @@ def main() -> None:
                  "torch": torch.__version__, "dtype": "bfloat16 (code2wav float32)",
                  "workload": f"~60-id text prompt -> {args.text_tokens} text tokens + "
                              f"{args.codes} codes per request, all submitted at once",
-                 "cuda_graphs": os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1") != "0",
+                 "cuda_graphs": "auto (the engines' default)",
                  "hf_h100": HF_H100, "targets": TARGETS}
 
     def save(key: str | None = None) -> None:

@@ -1,5 +1,5 @@
 """The AR engine's sampler head (SamplerState.sample_rows) on the GPU: the torch reference
-(fast=False, what OMNISTAGE_FAST_SAMPLER=0 selects) vs the Triton kernels (sampler_triton),
+(fast=False, what EngineConfig(fast_sampler=False) selects) vs the Triton kernels (sampler_triton),
 each captured in a CUDA graph as cuda_graphs._head does it.
 
 Cases (one JSON; each fails alone, recording its error):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from omnistage.config import env
 
 
 def resolve_model_path(model: str) -> Path:
@@ -76,7 +77,7 @@ def iter_tensors(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tens
 
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.quiet_tokenizer_threads()
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -9,10 +9,11 @@ import torch
 
 from omnistage.checkpoint import load_config, resolve_model_path
 from omnistage.config.schema import load_pipeline
-from omnistage.entrypoints.options import resolve_device, resolve_dtype
-from omnistage.entrypoints.prompts import check_prompt_shape, per_stage_params
-from omnistage.models.registry import resolve_pipeline
+from omnistage.prompts import check_prompt_shape, per_stage_params
+from omnistage.models.registry import check_registered, resolve_pipeline
+from omnistage.runtime.build import resolve_device, resolve_dtype
 from omnistage.runtime.orchestrator import Orchestrator, RuntimeRequest
+from omnistage.runtime.pipeline import Pipeline
 
 MAX_PROMPTS_PER_CALL = 100_000
 
@@ -21,23 +22,30 @@ class OmniBase:
     background_runtime = True  # the runtime loop in its own thread (False: the caller drives it)
     def __init__(self, model: str, pipeline: str | None = None, device: str | None = None,
                  dtype: str | torch.dtype = "auto", request_timeout: float | None = None,
-                 **engine_options: Any) -> None:
+                 overlap: bool | None = None, **engine_options: Any) -> None:
+        """engine_options: AR engine options (EngineOptions' fields) for every AR stage, and the
+        pipeline's own options (e.g. Qwen2.5-Omni's code2wav_*); overlap: the pipeline YAML's
+        `overlap` (None: the YAML's, else on when a stage runs on a GPU)."""
         self.path = resolve_model_path(model)
         config = load_config(self.path)
         pipeline_cls = resolve_pipeline(config)
         self.pipeline_config = load_pipeline(pipeline or pipeline_cls.builtin)
+        check_registered(self.pipeline_config)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if request_timeout is not None and not (isinstance(request_timeout, (int, float))
                                                 and request_timeout > 0):
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
         self.request_timeout = request_timeout
-        self.pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"overlap: true, false or None, got {overlap!r}")
+        self.pipeline: Pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
         self.runtime = Orchestrator(
             self.pipeline.workers, background=self.background_runtime,
-            process_stages=getattr(self.pipeline, "process_stages", None),
-            order=self.pipeline.stage_names)
+            process_stages=self.pipeline.process_stages,
+            order=self.pipeline.stage_names,
+            overlap=self.pipeline_config.overlap if overlap is None else overlap)
 
     # -------------------------------------------------------------- conveniences
     @property

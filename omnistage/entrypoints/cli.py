@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from importlib import resources
 from pathlib import Path
 
+from omnistage.config import env
 from omnistage.sampling_params import SamplingParams
 
 EMBEDDED_MODEL_NAME = "tiny-qwen2.5-omni"
@@ -21,11 +21,9 @@ DEMO_ASSET = "question.wav"
 
 def embedded_tiny_omni() -> Path:
     """The embedded tiny random Qwen2.5-Omni, built once (seconds) into the cache directory
-    ($OMNISTAGE_CACHE_DIR, else $XDG_CACHE_HOME/omnistage, else ~/.cache/omnistage)."""
+    (config.env.cache_dir())."""
     from omnistage.testing.tiny_omni import build_tiny_omni
-    root = os.environ.get("OMNISTAGE_CACHE_DIR") or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnistage"
-    return build_tiny_omni(Path(root) / "tiny-qwen2_5-omni")
+    return build_tiny_omni(env.cache_dir() / "tiny-qwen2_5-omni")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -156,11 +154,12 @@ def cmd_serve(args) -> int:
     from omnistage.entrypoints.openai.server import run_server
     from omnistage.entrypoints.openai.serving import ServerConfig
 
+    args.log_level = args.log_level or env.log_level("info")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
     config = ServerConfig(
-        served_model_names=names, api_key=args.api_key or os.environ.get("OMNISTAGE_API_KEY"),
+        served_model_names=names, api_key=args.api_key or env.api_key(),
         max_queue=args.max_queue, max_request_bytes=int(args.max_request_mb * (1 << 20)),
         allow_remote_media=args.allow_remote_media, allow_local_media=args.allow_local_media,
         max_audio_seconds=args.max_audio_seconds, shutdown_timeout=args.shutdown_timeout)
@@ -203,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="video_url may name a file on the server")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
-    s.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default=None, choices=list(env.LOG_LEVELS),
+                   help="default: $OMNISTAGE_LOG_LEVEL, else info")
     s.add_argument("--access-log", action="store_true")
 
     g = sub.add_parser("generate", help="one request from the shell")

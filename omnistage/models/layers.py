@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,7 +14,8 @@ import torch
 from torch import nn
 
 from omnistage.engine.ar.attention import _triton_ok, paged_attention, write_kv
-from omnistage.models.interface import ForwardBatch, merge_inputs
+from omnistage.engine.ar.kernels import KernelOptions
+from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
 
 
 @dataclass(frozen=True)
@@ -187,63 +187,16 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-# NOTE: on CUDA these are compiled (torch.compile fuses the norms, rope, activation and
-# residuals around the GEMMs); the paged attention between them stays our Triton kernel.
+# NOTE: on CUDA the engine runs these compiled (torch.compile fuses the norms, rope, activation
+# and residuals around the GEMMs); the paged attention between them stays our Triton kernel.
 # "qkv" serves the fused rope + KV-write path (below), "in" the plain one.
 KERNELS = {"in": attention_in, "qkv": attention_qkv, "out": attention_out_mlp}
-_compiled = False
-
-# Rope of q/k and the paged KV write in one Triton launch per layer (instead of rope in "in" and
-# two index_copy_): on CUDA unless OMNISTAGE_FUSED_ROPE_KV=0. Tests set FUSED_ROPE_KV to force
-# it on (on CPU it then runs in the Triton interpreter) or off.
-FUSED_ROPE_KV: bool | None = None  # None: where the Triton attention runs, unless env off
 
 
 @functools.cache
-def _fused_rope_kv_env() -> bool:
-    return os.environ.get("OMNISTAGE_FUSED_ROPE_KV", "1") != "0"
-
-
-def _use_fused_rope_kv(device: torch.device) -> bool:
-    if FUSED_ROPE_KV is not None:
-        return FUSED_ROPE_KV
-    return _triton_ok(device) and _fused_rope_kv_env()
-
-
-# Decode steps of <= GEMV_MAX_ROWS rows: the dense parts of a layer in 4 Triton GEMV launches
-# (triton_gemv.py: norm + q/k/v; o_proj + residual; post norm + gate/up + SiLU; down +
-# residual; a split K sums in the same launch) instead of compiled norms around cuBLAS GEMMs.
-# On CUDA with the fused rope + KV write unless OMNISTAGE_TRITON_GEMV=0; tests set TRITON_GEMV
-# to force it on (interpreter on CPU; it still needs the fused rope path) or off. One row only:
-# at 2-8 rows no Triton config reached cuBLAS on the H100 (talker gate/up 36.5 vs 27 us at M = 8).
-TRITON_GEMV: bool | None = None  # None: on CUDA unless env off
-GEMV_MAX_ROWS = 1
-
-
-@functools.cache
-def _triton_gemv_env() -> bool:
-    return os.environ.get("OMNISTAGE_TRITON_GEMV", "1") != "0"
-
-
-def _use_triton_gemv(x: torch.Tensor, layer: DecoderLayer | None = None) -> bool:
-    if x.shape[0] > GEMV_MAX_ROWS or not _use_fused_rope_kv(x.device):
-        return False
-    if TRITON_GEMV is not None:
-        return TRITON_GEMV
-    # by default only for layers whose shapes have measured configs (others keep cuBLAS:
-    # untuned Triton GEMVs were up to 20% slower than it)
-    return _triton_ok(x.device) and _triton_gemv_env() and (layer is None or layer.gemv_tuned())
-
-
-def compile_layer_kernels() -> None:
-    """Swap in torch.compile'd layer kernels (once per process; CUDA only)."""
-    global _compiled
-    if _compiled:
-        return
-    KERNELS["in"] = torch.compile(attention_in, dynamic=True)
-    KERNELS["qkv"] = torch.compile(attention_qkv, dynamic=True)
-    KERNELS["out"] = torch.compile(attention_out_mlp, dynamic=True)
-    _compiled = True
+def compiled_kernels() -> dict:
+    """KERNELS through torch.compile (built once per process, on first use; CUDA)."""
+    return {name: torch.compile(fn, dynamic=True) for name, fn in KERNELS.items()}
 
 
 class Attention(nn.Module):
@@ -279,6 +232,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._gemv_tuned: bool | None = None  # gemv_tuned(), once the weights are fused
+        self.kernels = KernelOptions()  # the engine's runner sets its own (configure_kernels)
 
     def fuse(self) -> None:
         """After loading and casting: fused q/k/v and gate/up weights (fewer, larger GEMMs)."""
@@ -296,33 +250,49 @@ class DecoderLayer(nn.Module):
                 (n, k, 1) in CONFIGS for n, k in shapes)
         return self._gemv_tuned
 
+    def uses_fused_rope_kv(self, device: torch.device) -> bool:
+        forced = self.kernels.fused_rope_kv
+        return _triton_ok(device) if forced is None else forced
+
+    def uses_triton_gemv(self, x: torch.Tensor) -> bool:
+        """Whether this step's rows x run through the Triton GEMVs (KernelOptions)."""
+        opts = self.kernels
+        if x.shape[0] > opts.gemv_max_rows or not self.uses_fused_rope_kv(x.device):
+            return False
+        if opts.triton_gemv is not None:
+            return opts.triton_gemv
+        return _triton_ok(x.device) and self.gemv_tuned()
+
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        a, m = self.self_attn, self.mlp
+        a, m, opts = self.self_attn, self.mlp, self.kernels
         if not hasattr(self, "w_qkv"):
             self.fuse()
+        kernels = compiled_kernels() if opts.compile else KERNELS
         ln = self.input_layernorm
-        gemv = _use_triton_gemv(x, self)  # decode rows: Triton GEMVs for the dense parts
+        gemv = self.uses_triton_gemv(x)  # decode rows: Triton GEMVs for the dense parts
         if gemv:
             from omnistage.engine.ar import triton_gemv as tg  # triton: lazily
-        if _use_fused_rope_kv(x.device):
+            launch = dict(pdl=opts.pdl, fused_reduce=opts.gemv_fused_reduce)
+        if self.uses_fused_rope_kv(x.device):
             from omnistage.engine.ar.triton_rope_kv import rope_write_kv  # triton: lazily
             if gemv:
-                qkv = tg.norm_gemv(x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
+                qkv = tg.norm_gemv(x, ln.weight, ln.eps, self.w_qkv, self.b_qkv, **launch)
             else:
-                qkv = KERNELS["qkv"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
+                qkv = kernels["qkv"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv)
             q = rope_write_kv(qkv, cos, sin, a.k_cache, a.v_cache, batch.attn.slot_mapping,
-                              a.num_heads, a.num_kv_heads, a.head_dim)
+                              a.num_heads, a.num_kv_heads, a.head_dim, pdl=opts.pdl)
         else:
-            q, k, v = KERNELS["in"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv, cos, sin,
+            q, k, v = kernels["in"](x, ln.weight, ln.eps, self.w_qkv, self.b_qkv, cos, sin,
                                     a.num_heads, a.num_kv_heads, a.head_dim)
             write_kv(k, v, a.k_cache, a.v_cache, batch.attn.slot_mapping)
-        o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale)
+        o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale, pdl=opts.pdl)
         post = self.post_attention_layernorm
         if gemv:
-            x = tg.gemv_residual(o.reshape(o.shape[0], -1), a.o_proj.weight, x)
-            h = tg.norm_gemv_silu_mul(x, post.weight, post.eps, self.w_gate_up, self.b_gate_up)
-            return tg.gemv_residual(h, m.down_proj.weight, x, m.down_proj.bias)
-        return KERNELS["out"](x, o, a.o_proj.weight, post.weight, post.eps, self.w_gate_up,
+            x = tg.gemv_residual(o.reshape(o.shape[0], -1), a.o_proj.weight, x, **launch)
+            h = tg.norm_gemv_silu_mul(x, post.weight, post.eps, self.w_gate_up, self.b_gate_up,
+                                      **launch)
+            return tg.gemv_residual(h, m.down_proj.weight, x, m.down_proj.bias, **launch)
+        return kernels["out"](x, o, a.o_proj.weight, post.weight, post.eps, self.w_gate_up,
                               self.b_gate_up, m.down_proj.weight, m.down_proj.bias)
 
 
@@ -345,7 +315,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A plain causal LM on the engine's model interface (models/interface.py)."""
+    """A plain causal LM on the engine's model interface (engine/ar/interface.py)."""
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import multiprocessing.connection
 import queue
 import threading
@@ -76,11 +75,8 @@ class Orchestrator:
         process_stages = process_stages or {}
         order = order or [*workers, *(n for n in process_stages if n not in workers)]
         self.workers = workers  # the stages in this process
-        env = os.environ.get("OMNISTAGE_OVERLAP", "")  # "1" on, "0" off, unset: auto
         if overlap is None:  # auto: on when a stage here runs on a GPU
-            overlap = env == "1" or (env != "0" and any(
-                getattr(getattr(w, "device", None), "type", "cpu") == "cuda"
-                for w in workers.values()))
+            overlap = any(w.device.type == "cuda" for w in workers.values())
         self.overlap = overlap
         self.inflight: dict[str, LaunchedStep] = {}  # overlap: launched, not collected yet
         self.local = {n: StageHost(w, self._deliver) for n, w in workers.items()}
@@ -301,8 +297,7 @@ class Orchestrator:
             events = host.step()
         except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
             events = self._crashed(name, host, e)
-        if hasattr(host.worker, "busy_seconds"):
-            host.worker.busy_seconds += time.perf_counter() - t0
+        host.worker.busy_seconds += time.perf_counter() - t0
         for ev in events:
             self._route(ev)
 
@@ -328,16 +323,14 @@ class Orchestrator:
             if not warned and time.monotonic() - t0 > STALL_WARNING_SECONDS:
                 warned = True
                 log.error("no stage step finished in %.0f s: %s", STALL_WARNING_SECONDS,
-                          {n: self.local[n].worker.gpu.describe() for n in self.inflight
-                           if hasattr(self.local[n].worker, "gpu")})
+                          {n: self.local[n].worker.describe() for n in self.inflight})
         for name in done:
             launched, host = self.inflight.pop(name), self.local[name]
             try:
                 events = host.collect(launched)
             except Exception as e:  # noqa: BLE001 - a stage crash fails its requests only
                 events = self._crashed(name, host, e)
-            if hasattr(host.worker, "busy_seconds"):
-                host.worker.busy_seconds += launched.busy_seconds()
+            host.worker.busy_seconds += launched.busy_seconds()
             for ev in events:
                 self._route(ev)
 

@@ -26,6 +26,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor reductions with ForkingPickler
 from multiprocessing.reduction import ForkingPickler
 
+from omnistage.config import env
 from omnistage.runtime.stage import StageEvent, StageHost
 
 log = logging.getLogger("omnistage.runtime")
@@ -185,7 +186,7 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
     """The loop of a stage process: take control and link messages, step, report events."""
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=env.log_level().upper())
 
     def up(msg: tuple) -> None:
         ctrl.send_bytes(dumps(msg))

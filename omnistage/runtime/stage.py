@@ -11,143 +11,54 @@ next to the downstream model). Hidden rows never reach the orchestrator."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from omnistage.engine.ar.cuda_graphs import private_stream
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
-
-
-@dataclass
-class StageEvent:
-    """What one stage step produced for one request (crosses from a stage to the runtime)."""
-
-    stage: str
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)  # new tokens / codes this step
-    text: str = ""  # new text this step
-    hidden: tuple[int, torch.Tensor] | None = None  # (first position, rows [n, D]) on device
-    audio: np.ndarray | None = None  # new audio chunk, float32 [samples], host
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class LaunchedStep:
-    """A stage step whose GPU work is queued (launch); its events come with collect, which
-    the orchestrator calls once done() so the stages' GPU work overlaps."""
-
-    state: Any  # what the worker's collect() needs; None: finished at launch
-    events: list[StageEvent] = field(default_factory=list)  # known at launch (collect adds them)
-    start: torch.cuda.Event | None = None
-    end: torch.cuda.Event | None = None
-    wall_seconds: float = 0.0  # host time of the launch
-    # the GPU runs this step alone: the orchestrator launches no other stage's step until it
-    # is collected (a latency-critical step that contention with the others would slow down)
-    exclusive: bool = False
-    # the launch still queueing on a thread of the stage's own (whose result collect reads);
-    # end is recorded by that thread once the work is queued
-    pending: Future | None = None
-
-    def done(self) -> bool:
-        if self.pending is not None and not self.pending.done():
-            return False
-        return self.end is None or self.end.query()
-
-    def busy_seconds(self) -> float:
-        """GPU time from launch to the end of its work (once done), else the launch's host
-        time."""
-        if self.end is None:
-            return self.wall_seconds
-        if self.pending is not None:
-            self.pending.result()  # end is recorded once the thread has queued the work
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3
-
-
-class StageStream:
-    """The CUDA stream a stage launches its work on (a no-op on the CPU). AR stages take a
-    high priority (priority < 0): their small latency-bound decode kernels go ahead of
-    code2wav's big ones.
-
-    NOTE: the orchestrator moves data between stages on the default stream (links), so each
-    launch first waits for the default stream's queued work; tensors a launch reads from other
-    streams are kept alive by its LaunchedStep until collect."""
-
-    _shared: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
-
-    def __init__(self, device: torch.device, priority: int = 0,
-                 share: str | None = None) -> None:
-        # share: stages of one share name queue on one stream (in launch order, no contention)
-        self.stream = None
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device() if device.index is None
-                                  else device.index)
-            key = (device, share or "")
-            stream = self._shared.get(key) if share else None
-            if stream is None:
-                stream = private_stream(device, priority)
-                if share:
-                    self._shared[key] = stream
-            self.stream = stream
-
-    @contextmanager
-    def active(self, launch: bool) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        if launch:
-            self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def describe(self) -> dict[str, Any]:
-        """Whether this stream and the default stream have finished their queued work."""
-        if self.stream is None:
-            return {}
-        return {"stream_idle": self.stream.query(), "priority": self.stream.priority,
-                "default_stream_idle": torch.cuda.default_stream(self.stream.device).query()}
-
-    def event(self) -> torch.cuda.Event | None:
-        """A timing event recorded on this stream now (None on the CPU)."""
-        if self.stream is None:
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(self.stream)
-        return ev
-
-    def launched(self, state: Any, start: torch.cuda.Event | None, t0: float,
-                 events: list[StageEvent] | None = None, exclusive: bool = False
-                 ) -> LaunchedStep:
-        return LaunchedStep(state, events or [], start, self.event(), time.perf_counter() - t0,
-                            exclusive)
+from omnistage.engine.step import LaunchedStep, StageEvent, StageStream  # noqa: F401
 
 
 class StageWorker(Protocol):
+    """What the runtime needs of a stage (AR: ARStageWorker; non-AR: engine.gen's worker).
+    Called from the runtime's thread only; a launched step is collected before the next launch.
+    """
+
     name: str
+    device: torch.device
+    stalled: bool  # work is pending, but the last launch could run none of it (gated upstream)
+    busy_seconds: float  # the runtime adds each step's GPU (or host) time
 
-    def submit(self, request_id: str, request: Any) -> None: ...
+    def submit(self, request_id: str, request: Any) -> None:
+        """Take a new request (what the pipeline's prepare() built for this stage)."""
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """Forget a request; a step in flight may still compute it (collect drops it)."""
 
     def has_work(self) -> bool: ...
 
-    def step(self) -> list[StageEvent]: ...
+    def launch(self) -> LaunchedStep | None:
+        """Queue the next step's work (on CUDA, on the stage's stream) without waiting; None
+        when nothing can run now."""
+
+    def collect(self, launched: LaunchedStep) -> list[StageEvent]:
+        """The events of a launched step, once launched.done() (blocks until then)."""
+
+    def step(self) -> list[StageEvent]:
+        """launch() then collect(): one whole step (the serial loop, tests)."""
 
     def stats(self) -> dict[str, float]: ...
 
-    def fail_all(self, error: str) -> list[StageEvent]: ...
+    def describe(self) -> dict[str, Any]:
+        """Device state for a stall report (whether its stream is idle)."""
+
+    def fail_all(self, error: str) -> list[StageEvent]:
+        """After a crash: end every request of this stage with `error`, freeing its state."""
 
 
 class ARStageWorker:
@@ -159,10 +70,9 @@ class ARStageWorker:
         # NOTE: each AR stage has a stream of its own, so the talker's short decode steps run
         # beside the thinker's (H100, c1: time to first audio 0.28 -> 0.24 s against one
         # shared stream); the pipeline gives the upstream stage the higher priority (a lower
-        # number), as its tokens gate the downstream one. OMNISTAGE_AR_STREAM=NAME: the AR
-        # stages share one stream again.
-        self.gpu = StageStream(self.device, priority,
-                               share=os.environ.get("OMNISTAGE_AR_STREAM") or None)
+        # number), as its tokens gate the downstream one. AR stages whose EngineConfig has
+        # the same ar_stream name share one stream again.
+        self.gpu = StageStream(self.device, priority, share=engine.config.ar_stream)
         self.last_batch_size = 0
         self.busy_seconds = 0.0
         self.stalled = False  # the last step scheduled nothing (e.g. gated on upstream rows)
@@ -219,6 +129,9 @@ class ARStageWorker:
                 events.append(StageEvent(self.name, rid, finished=True, finish_reason="error",
                                          error=error))
         return events
+
+    def describe(self) -> dict[str, Any]:
+        return self.gpu.describe()
 
     def stats(self) -> dict[str, float]:
         s = self.engine.stats
@@ -297,23 +210,17 @@ class StageHost:
     @property
     def stalled(self) -> bool:
         """Work is pending but the last step could not run any of it (waiting on upstream)."""
-        return getattr(self.worker, "stalled", False)
+        return self.worker.stalled
 
     def step(self) -> list[StageEvent]:
         return self._forward(self.worker.step())
 
     def launch(self) -> LaunchedStep | None:
-        """Queue a step's GPU work (workers without launch/collect step at once)."""
-        launch = getattr(self.worker, "launch", None)
-        if launch is None:
-            t0 = time.perf_counter()
-            events = self.worker.step()
-            return LaunchedStep(None, events, wall_seconds=time.perf_counter() - t0)
-        return launch()
+        """Queue a step's GPU work (collect() gives its events)."""
+        return self.worker.launch()
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
-        collect = getattr(self.worker, "collect", None)
-        return self._forward(list(launched.events) if collect is None else collect(launched))
+        return self._forward(self.worker.collect(launched))
 
     def fail_all(self, error: str) -> list[StageEvent]:
         return self._forward(self.worker.fail_all(error))

@@ -3,13 +3,14 @@ converted to a plain fp32 safetensors folder with transformers' GGUF loader. Cac
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-DEFAULT_CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
+from omnistage.config import env
+
+DEFAULT_CACHE = env.cache_dir()
 
 
 def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:

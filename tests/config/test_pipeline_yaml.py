@@ -4,12 +4,13 @@ import pytest
 import yaml
 
 from omnistage.config import load_pipeline
+from omnistage.models.registry import check_registered
 
 GOOD = {"name": "p", "stages": [
     {"name": "thinker", "kind": "ar", "model": "Qwen2_5OmniThinker", "output": "text"},
     {"name": "talker", "kind": "ar", "model": "Qwen2_5OmniTalker",
      "inputs": [{"upstream": "thinker", "adapter": "qwen2_5_omni_thinker_to_talker"}]},
-    {"name": "code2wav", "kind": "generation", "model": "Qwen2_5OmniToken2Wav",
+    {"name": "code2wav", "kind": "gen", "model": "Qwen2_5OmniToken2Wav",
      "inputs": [{"upstream": "talker", "adapter": "qwen2_5_omni_talker_to_code2wav"}],
      "output": "audio"}]}
 
@@ -57,7 +58,7 @@ def test_invalid_pipeline_names_the_field(tmp_path, label, mutate, field):
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(bad(mutate)))
     with pytest.raises(ValueError, match=field):
-        load_pipeline(str(path))
+        check_registered(load_pipeline(str(path)))  # names are checked where stages are built
 
 
 def test_not_yaml_and_missing_file(tmp_path):

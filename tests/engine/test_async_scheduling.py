@@ -1,7 +1,7 @@
 """Async scheduling: decode steps launched before the previous step's tokens are read (their
 input ids copied on the device) give the same tokens, finish reasons and exported rows as the
 plain eager path; a request that stops on EOS, is aborted, or waits on input rows is handled.
-The decode-graph path runs uncaptured on the CPU (OMNISTAGE_CUDA_GRAPHS=eager)."""
+The decode-graph path runs uncaptured on the CPU (EngineConfig.cuda_graphs="eager")."""
 
 from __future__ import annotations
 
@@ -28,10 +28,9 @@ def _model(talker: bool = False):
     return m.eval()
 
 
-def _engine(model, monkeypatch, graphs: str, max_num_seqs: int = 8) -> AREngine:
-    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", graphs)
+def _engine(model, graphs: str, max_num_seqs: int = 8, **switches) -> AREngine:
     cfg = EngineConfig(max_model_len=256, max_num_seqs=max_num_seqs, block_size=8,
-                       max_num_batched_tokens=64)
+                       max_num_batched_tokens=64, cuda_graphs=graphs, **switches)
     eng = AREngine(model, cfg, torch.device("cpu"), torch.float32, eos_token_ids=EOS)
     assert (eng.runner.graphs is not None) == (graphs == "eager")
     return eng
@@ -55,11 +54,11 @@ def _drain(eng: AREngine, out: dict, hidden: dict | None = None, on_step=None) -
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_steps_ahead_give_the_eager_tokens(monkeypatch, sampled):
+def test_steps_ahead_give_the_eager_tokens(sampled):
     model = _model()
 
     def run(graphs: str):
-        eng = _engine(model, monkeypatch, graphs)
+        eng = _engine(model, graphs)
         for i, p in enumerate(_prompts(6)):
             params = SamplingParams(temperature=0.8 if sampled else 0, top_k=20,
                                     repetition_penalty=1.1, max_tokens=24 + 3 * i,
@@ -71,7 +70,7 @@ def test_steps_ahead_give_the_eager_tokens(monkeypatch, sampled):
         _drain(eng, out, hidden)
         return out, hidden, eng
 
-    ref, ref_hidden, ref_eng = run("0")
+    ref, ref_hidden, ref_eng = run("off")
     got, got_hidden, eng = run("eager")
     assert ref_eng.num_ahead_steps == 0
     assert eng.num_ahead_steps > eng.num_steps // 2, eng.stats
@@ -99,14 +98,14 @@ class _GatedRows(RandomInputRows):
         return self.available
 
 
-def test_talker_rows_gate_the_step_ahead(monkeypatch):
+def test_talker_rows_gate_the_step_ahead():
     model = _model(talker=True)
     width = model.model.embed_tokens.weight.shape[1]
     params = SamplingParams(temperature=0.9, top_p=0.8, repetition_penalty=1.05, max_tokens=30,
                             ignore_eos=True)
 
     def run(graphs: str, gated: bool):
-        eng = _engine(model, monkeypatch, graphs)
+        eng = _engine(model, graphs)
         sources = []
         for i, p in enumerate(_prompts(4)):
             src = _GatedRows(len(p), width, i) if gated else RandomInputRows(
@@ -128,7 +127,7 @@ def test_talker_rows_gate_the_step_ahead(monkeypatch):
         _drain(eng, out, on_step=feed)
         return out, eng
 
-    ref, _ = run("0", gated=False)
+    ref, _ = run("off", gated=False)
     got, eng = run("eager", gated=True)
     assert got == ref
     assert all(len(o) == 31 for o in got.values())
@@ -136,12 +135,12 @@ def test_talker_rows_gate_the_step_ahead(monkeypatch):
     assert 0 < eng.num_ahead_steps < eng.num_steps - 4, eng.stats
 
 
-def test_abort_with_a_step_ahead(monkeypatch):
+def test_abort_with_a_step_ahead():
     model = _model()
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
     def run(abort: bool):
-        eng = _engine(model, monkeypatch, "eager")
+        eng = _engine(model, "eager")
         for i, p in enumerate(_prompts(3)):
             eng.add_request(Sequence(f"r{i}", p, params, seed=0))
         out = {}
@@ -164,7 +163,7 @@ def test_abort_with_a_step_ahead(monkeypatch):
     assert all(c == 0 for c in eng.blocks.ref_count)
 
     # aborting every request drops the step ahead (nothing of it is left to collect)
-    eng = _engine(model, monkeypatch, "eager")
+    eng = _engine(model, "eager")
     for i, p in enumerate(_prompts(2)):
         eng.add_request(Sequence(f"r{i}", p, params, seed=0))
     for _ in range(4):
@@ -174,9 +173,8 @@ def test_abort_with_a_step_ahead(monkeypatch):
     assert not eng.has_unfinished()
 
 
-def test_async_scheduling_off(monkeypatch):
-    monkeypatch.setenv("OMNISTAGE_ASYNC_SCHEDULING", "0")
-    eng = _engine(_model(), monkeypatch, "eager")
+def test_async_scheduling_off():
+    eng = _engine(_model(), "eager", async_scheduling=False)
     eng.add_request(Sequence("r", _prompts(1)[0],
                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), seed=0))
     out = {}
@@ -184,8 +182,11 @@ def test_async_scheduling_off(monkeypatch):
     assert len(out["r"]) == 9 and eng.num_ahead_steps == 0
 
 
-def test_graphs_mode_is_validated(monkeypatch):
-    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="OMNISTAGE_CUDA_GRAPHS"):
-        AREngine(_model(), EngineConfig(max_model_len=64, max_num_seqs=2),
+def test_switches_are_validated():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        AREngine(_model(), EngineConfig(max_model_len=64, max_num_seqs=2, cuda_graphs="yes"),
                  torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling="0").validate()
+    with pytest.raises(ValueError, match="ar_stream"):
+        EngineConfig(ar_stream="").validate()

@@ -34,10 +34,8 @@ def test_graph_batch_sizes():
 
 def _run(model, device, prompts, params, talker: bool, graphs: bool, max_num_seqs: int = 8):
     cfg = EngineConfig(max_model_len=256, max_num_seqs=max_num_seqs, block_size=8,
-                       max_num_batched_tokens=64)
+                       max_num_batched_tokens=64, cuda_graphs="auto" if graphs else "off")
     eng = AREngine(model, cfg, device, torch.float32)
-    if not graphs:
-        eng.runner.graphs = None
     for i, p in enumerate(prompts):
         kw = talker_inputs(model, p, i, device) if talker else {}
         eng.add_request(Sequence(f"r{i}", p, params, seed=1000 + i, **kw))

@@ -1,7 +1,8 @@
 """The device-state sampler (SamplerState: per-slot params, counts, prompt/ban masks) draws the
-same tokens as the host-built SamplingTensors path: random mixed batches over many steps, slot
-reuse after finish/abort, preemption (slot reclaimed or kept), outputs edited behind its back,
-forced ids; and at engine level (CPU eager path; CUDA-graph path on a GPU)."""
+same tokens as SamplingTensors built from the host lists (sampler_reference): random mixed
+batches over many steps, slot reuse after finish/abort, preemption (slot reclaimed or kept),
+outputs edited behind its back, forced ids; and at engine level (the eager forward's sampler vs
+the decode-graph path's, uncaptured on the CPU, captured on a GPU)."""
 
 import gc
 import random
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 from omnistage.engine.ar.engine import AREngine
-from omnistage.engine.ar.sampler import SEEN, SamplerState, SamplingTensors, sample
+from omnistage.engine.ar.sampler import SEEN, SamplerState, sample
 from omnistage.engine.ar.scheduler import EngineConfig
 from omnistage.engine.ar.sequence import Sequence, SequenceStatus
 from omnistage.models.layers import DecoderForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.testing.tiny_lm import scale_weights_
+from tests.engine.sampler_reference import host_tensors
 
 V = 64
 CPU = torch.device("cpu")
@@ -52,7 +54,7 @@ def new_seq(rng: random.Random, i: int) -> Sequence:
 
 
 def old_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    tokens = sample(logits, SamplingTensors.build(seqs, V, CPU)).tolist()
+    tokens = sample(logits, host_tensors(seqs, V, CPU)).tolist()
     # the engine replaces a forced sequence's draw with its forced id
     return [s.forced_output_ids[len(s.output_token_ids)] if s.forced_output_ids else t
             for s, t in zip(seqs, tokens)]
@@ -173,14 +175,11 @@ def engine_params() -> list[SamplingParams]:
             SamplingParams(temperature=0.8, min_p=0.1, top_k=20, max_tokens=16, min_tokens=3)]
 
 
-def run_engine(model, device, legacy: bool, graphs: bool = False):
+def run_engine(model, device, graphs: str = "off"):
     # 10 requests on 4 sequence slots and a KV cache small enough to preempt; two aborts
     cfg = EngineConfig(max_model_len=128, max_num_seqs=4, block_size=8, num_kv_blocks=14,
-                       max_num_batched_tokens=64)
+                       max_num_batched_tokens=64, cuda_graphs=graphs)
     eng = AREngine(model, cfg, device, torch.float32, eos_token_ids={7, 8})
-    eng.runner.legacy_sampler = legacy
-    if not graphs:
-        eng.runner.graphs = None
     g = torch.Generator().manual_seed(5)
     params = engine_params()
     for i in range(10):
@@ -209,9 +208,10 @@ def lm():
     return m.eval()
 
 
-def test_engine_same_tokens_as_host_sampler(lm):
-    old, _ = run_engine(lm, CPU, legacy=True)
-    new, eng = run_engine(lm, CPU, legacy=False)
+def test_engine_graph_path_sampler_same_tokens(lm):
+    old, _ = run_engine(lm, CPU)
+    new, eng = run_engine(lm, CPU, graphs="eager")  # decodes sample in the head function
+    assert eng.runner.graphs is not None and eng.runner.graphs.heads
     assert new == old
     assert eng.stats["num_preemptions"] > 0
     assert new["r6"] == [11, 12, 13, 7]
@@ -220,12 +220,11 @@ def test_engine_same_tokens_as_host_sampler(lm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("legacy", [False, True])
-def test_graph_sampler_matches_cpu(lm, legacy):
+def test_graph_sampler_matches_cpu(lm):
     gpu = DecoderForCausalLM(LM_CFG)
     gpu.load_state_dict(lm.state_dict())
-    ref, _ = run_engine(lm, CPU, legacy=False)
-    got, eng = run_engine(gpu.cuda().eval(), torch.device("cuda"), legacy=legacy, graphs=True)
+    ref, _ = run_engine(lm, CPU)
+    got, eng = run_engine(gpu.cuda().eval(), torch.device("cuda"), graphs="auto")
     assert eng.runner.graphs is not None and eng.runner.graphs.heads
     assert got == ref
 

@@ -59,3 +59,38 @@ def test_missing_model_path_and_bad_options(tiny_qwen2):
         OmniLLM(str(tiny_qwen2), dtype="int3")
     with pytest.raises(ValueError, match="max_num_seqs"):
         OmniLLM(str(tiny_qwen2), max_num_seqs=-1)
+
+
+def test_engine_switches_from_options_and_stage_yaml(tiny_qwen2):
+    # constructor options reach the engine's config; the runner reads them once at build
+    llm = OmniLLM(str(tiny_qwen2), max_model_len=128, cuda_graphs="eager",
+                  async_scheduling=False, prefill_graphs=False, ar_stream="ar")
+    eng = llm.engine
+    assert eng.config.cuda_graphs == "eager" and eng.runner.graphs is not None
+    assert not eng.async_scheduling and eng.runner.prefill_graphs is None
+    assert eng.config.ar_stream == "ar" and eng.config.fast_sampler  # the rest: defaults
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        OmniLLM(str(tiny_qwen2), cuda_graphs="sometimes")
+    with pytest.raises(ValueError, match="pdl"):
+        OmniLLM(str(tiny_qwen2), pdl="no")
+
+
+def test_engine_config_switches_and_stage_keys():
+    from pydantic import ValidationError
+
+    from omnistage.config.schema import EngineOptions
+    from omnistage.engine.ar.scheduler import engine_config
+    cfg = engine_config(4096)
+    assert (cfg.cuda_graphs, cfg.compile, cfg.pdl, cfg.ar_stream) == ("auto", True, True, None)
+    # a stage's YAML `engine:` keys: unset ones (None) leave the constructor's value
+    stage = EngineOptions(cuda_graphs="eager", triton_gemv=False)
+    cfg = engine_config(4096, **{"cuda_graphs": "off", "pdl": False,
+                                 **stage.model_dump(exclude_none=True)})
+    assert (cfg.cuda_graphs, cfg.pdl, cfg.triton_gemv, cfg.compile) == ("eager", False, False,
+                                                                        True)
+    with pytest.raises(ValidationError):
+        EngineOptions(cuda_graphs="1")
+    with pytest.raises(ValidationError):
+        EngineOptions(cuda_graph="off")  # unknown keys stay forbidden

@@ -1,7 +1,7 @@
 """Prefill graphs (engine/ar/prefill_graphs.py): a one-sequence prefill run through a padded
 bucket gives the eager forward's tokens and exported rows, for a plain LM (1-D rope, prefix-cache
 hits: prefills that start past 0) and a talker-like model (mrope, replacement + additive rows).
-On the CPU this is the OMNISTAGE_CUDA_GRAPHS=eager mode (the same static buffers, no capture);
+On the CPU this is the cuda_graphs="eager" mode (the same static buffers, no capture);
 the GPU test captures the graphs and compares with the CPU."""
 
 import pytest
@@ -26,14 +26,13 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalt
 
 def _run(model, device, params, talker: bool, prefill_graphs: bool, budget: int = 512):
     """Each prompt alone (so every prefill is a one-sequence step) -> tokens, exported rows.
-    budget: tokens per step (a smaller one chunks the prefills)."""
+    budget: tokens per step (a smaller one chunks the prefills). On the CPU the graphs run in
+    the eager mode."""
     cfg = EngineConfig(max_model_len=512, max_num_seqs=4, block_size=8,
-                       max_num_batched_tokens=budget)
+                       max_num_batched_tokens=budget, prefill_graphs=prefill_graphs,
+                       cuda_graphs="auto" if device.type == "cuda" else "eager")
     eng = AREngine(model, cfg, device, torch.float32)
-    if prefill_graphs:
-        assert eng.runner.prefill_graphs is not None
-    else:
-        eng.runner.prefill_graphs = None
+    assert (eng.runner.prefill_graphs is not None) == prefill_graphs
     tokens, rows = [], []
     for i, p in enumerate(PROMPTS):
         kw = talker_inputs(model, p, i, device) if talker else {}
@@ -77,8 +76,7 @@ def _same_rows(ref_rows, rows):
 
 @pytest.mark.parametrize("talker", [False, True])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_prefill_graphs_match_eager(monkeypatch, graph_runs, talker, params):
-    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
+def test_prefill_graphs_match_eager(graph_runs, talker, params):
     model = cpu_model(talker)
     ref, ref_rows, _ = _run(model, torch.device("cpu"), params, talker, prefill_graphs=False)
     assert not graph_runs
@@ -97,10 +95,9 @@ def test_prefill_graphs_match_eager(monkeypatch, graph_runs, talker, params):
 
 
 @pytest.mark.parametrize("talker", [False, True])
-def test_chunked_prefill_through_graphs(monkeypatch, graph_runs, talker):
+def test_chunked_prefill_through_graphs(graph_runs, talker):
     # 24-token steps: prompts of 30+ tokens prefill in chunks that start past 0, and only
     # the last chunk samples; the 300-token prompt's chunks fit a bucket too
-    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
     model = cpu_model(talker)
     ref, ref_rows, _ = _run(model, torch.device("cpu"), SAMPLED, talker, False, budget=24)
     got, rows, _ = _run(model, torch.device("cpu"), SAMPLED, talker, True, budget=24)
@@ -112,11 +109,10 @@ def test_chunked_prefill_through_graphs(monkeypatch, graph_runs, talker):
     _same_rows(ref_rows, rows)
 
 
-def test_buckets_and_bad_sizes(monkeypatch):
-    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "eager")
+def test_buckets_and_bad_sizes():
     model = cpu_model(False)
-    eng = AREngine(model, EngineConfig(max_model_len=128, max_num_seqs=2, block_size=8),
-                   torch.device("cpu"), torch.float32)
+    eng = AREngine(model, EngineConfig(max_model_len=128, max_num_seqs=2, block_size=8,
+                                       cuda_graphs="eager"), torch.device("cpu"), torch.float32)
     pg = eng.runner.prefill_graphs
     assert [pg.bucket(n) for n in (2, 16, 17, 64, 256, 257)] == [16, 16, 32, 64, 256, None]
     seq = Sequence("a", list(range(20)), GREEDY, seed=0)

@@ -8,9 +8,9 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from omnistage import OmniLLM, SamplingParams
-from omnistage.engine.ar.sampler import (SamplingTensors, apply_penalties, apply_warpers,
-                                         hashed_uniform, sample)
+from omnistage.engine.ar.sampler import apply_penalties, apply_warpers, hashed_uniform, sample
 from omnistage.engine.ar.sequence import Sequence
+from tests.engine.sampler_reference import host_tensors
 
 V = 50
 
@@ -56,7 +56,7 @@ def test_distributions_equal_transformers():
     logits = torch.randn(len(PARAMS), V) * 3
     prompt, outputs = [1, 2, 3, 7, 7], [9, 3, 11]
     seqs = make_seqs(PARAMS, prompt, outputs)
-    t = SamplingTensors.build(seqs, V, torch.device("cpu"))
+    t = host_tensors(seqs, V, torch.device("cpu"))
     ours = apply_warpers(apply_penalties(logits.clone(), t), t).softmax(-1)
     for r, p in enumerate(PARAMS):
         ref = hf_probs(logits[r], p, prompt + outputs)
@@ -68,7 +68,7 @@ def test_presence_and_frequency_penalties_follow_openai():
     logits = torch.zeros(1, V)
     p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
     seqs = make_seqs([p], [4, 5], [3, 3, 8])
-    out = apply_penalties(logits, SamplingTensors.build(seqs, V, torch.device("cpu")))[0]
+    out = apply_penalties(logits, host_tensors(seqs, V, torch.device("cpu")))[0]
     assert out[3].item() == pytest.approx(-(0.5 + 2 * 0.25))
     assert out[8].item() == pytest.approx(-(0.5 + 0.25))
     assert out[4].item() == 0.0  # prompt ids are not penalised by presence/frequency
@@ -80,7 +80,7 @@ def test_draws_follow_the_distribution():
     n = 20000
     p = SamplingParams(temperature=1.0)
     seqs = [Sequence(f"r{i}", [1], p, seed=i) for i in range(n)]
-    t = SamplingTensors.build(seqs, 8, torch.device("cpu"))
+    t = host_tensors(seqs, 8, torch.device("cpu"))
     tokens = sample(base.expand(n, 8).clone(), t)
     freq = torch.bincount(tokens, minlength=8).float() / n
     assert (freq - base.softmax(-1)[0]).abs().max() < 0.015

@@ -14,8 +14,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from omnistage.engine.ar import triton_gemv as tg  # noqa: E402
 from omnistage.engine.ar.triton_gemv import GemvConfig  # noqa: E402
+from omnistage.engine.ar.kernels import KernelOptions, configure_kernels  # noqa: E402
 from omnistage.models import layers  # noqa: E402
-from omnistage.models.interface import ForwardBatch  # noqa: E402
+from omnistage.engine.ar.interface import ForwardBatch  # noqa: E402
 from omnistage.models.layers import DecoderForCausalLM  # noqa: E402
 from tests.engine.test_triton_rope_kv import _meta  # noqa: E402  (the same paged layout)
 
@@ -92,17 +93,18 @@ def make_inputs(M, N, K, dtype, bias, seed=0):
     return [t.to(DEVICE, dtype) if t is not None else None for t in (x, ln_w, w, b, r)]
 
 
-def _ops(x, ln_w, w, b, r, config):
+def _ops(x, ln_w, w, b, r, config, fused_reduce: bool = True):
     # (name, kernel output, reference with the kernel's casts, torch expression, the
     # reference's linear output before the residual add)
     F2 = w.shape[0] // 2
     b_half = b[:F2] if b is not None else None
+    k = dict(config=config, fused_reduce=fused_reduce)
     return [
-        ("norm_gemv", tg.norm_gemv(x, ln_w, EPS, w, b, config=config),
+        ("norm_gemv", tg.norm_gemv(x, ln_w, EPS, w, b, **k),
          ref_norm_gemv(x, ln_w, w, b), torch_norm_gemv(x, ln_w, w, b), None),
-        ("silu_mul", tg.norm_gemv_silu_mul(x, ln_w, EPS, w, b, config=config),
+        ("silu_mul", tg.norm_gemv_silu_mul(x, ln_w, EPS, w, b, **k),
          ref_silu_mul(x, ln_w, w, b), torch_silu_mul(x, ln_w, w, b), None),
-        ("residual", tg.gemv_residual(x, w[:F2, :], r, b_half, config=config),
+        ("residual", tg.gemv_residual(x, w[:F2, :], r, b_half, **k),
          ref_gemv_residual(x, w[:F2], r, b_half), torch_gemv_residual(x, w[:F2], r, b_half),
          ref_linear(x, w[:F2], b_half, _cast)),
     ]
@@ -140,7 +142,7 @@ def test_ops_vs_torch(case, M, dtype):
 
 
 @pytest.mark.parametrize("case", ["fma-split3", "dot-split2"])
-def test_fused_split_reduce_equals_reduce_launch(monkeypatch, case):
+def test_fused_split_reduce_equals_reduce_launch(case):
     """Split K: the last split of each N tile sums the partials (arrival counters) with the
     same result, bit for bit, as the separate reduce launch; the counters end at zero."""
     N, K, config = CASES[case]
@@ -148,8 +150,7 @@ def test_fused_split_reduce_equals_reduce_launch(monkeypatch, case):
     fused = [out for _, out, *_ in _ops(x, ln_w, w, b, r, config)]
     counts = [c for key, c in tg._COUNTS.items() if key[1] == w.data_ptr()]
     assert counts and all(int(c.abs().sum()) == 0 for c in counts)
-    monkeypatch.setattr(tg, "FUSED_REDUCE", False)
-    launched = [out for _, out, *_ in _ops(x, ln_w, w, b, r, config)]
+    launched = [out for _, out, *_ in _ops(x, ln_w, w, b, r, config, fused_reduce=False)]
     for a, c in zip(fused, launched):
         assert a.float().abs().max() > 0.1 and torch.equal(a, c)
 
@@ -210,11 +211,12 @@ LM_CFG = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_la
 PAGE = 8
 
 
-def _greedy(model, gemv: bool, monkeypatch, steps: int = 3):
+def _greedy(model, gemv: bool, steps: int = 3, **options):
     """Prefill of 2 sequences (5 and 11 tokens: 16 rows, the torch path), then `steps` greedy
-    decode steps of 2 rows; the logits of every step and the tokens."""
-    monkeypatch.setattr(layers, "FUSED_ROPE_KV", True)
-    monkeypatch.setattr(layers, "TRITON_GEMV", gemv)
+    decode steps of 2 rows; the logits of every step and the tokens. Eager layer kernels, the
+    fused rope + KV write, the GEMVs forced on or off (options: more KernelOptions)."""
+    configure_kernels(model, KernelOptions(fused_rope_kv=True, triton_gemv=gemv,
+                                                         **options))
     L, n_kv, hd = model.kv_shape
     k_cache = torch.zeros(L, 6, PAGE, n_kv, hd, device=DEVICE, dtype=model.lm_head.weight.dtype)
     v_cache = torch.zeros_like(k_cache)
@@ -255,19 +257,16 @@ def _tiny_model(dtype):
 
 
 def test_decoder_gemv_equals_torch(monkeypatch):
-    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 8)  # the kernels take the batch's 3 rows too
-    for key, fn in (("in", layers.attention_in), ("qkv", layers.attention_qkv),
-                    ("out", layers.attention_out_mlp)):  # eager on both sides
-        monkeypatch.setitem(layers.KERNELS, key, fn)
     model = _tiny_model(torch.float32)
     calls = []
     for name in ("norm_gemv", "norm_gemv_silu_mul", "gemv_residual"):
         real = getattr(tg, name)
         monkeypatch.setattr(tg, name, lambda *a, _r=real, _n=name, **k:
                             calls.append(_n) or _r(*a, **k))
-    ref_logits, ref_tokens, k_ref = _greedy(model, False, monkeypatch)
+    # gemv_max_rows 8: the kernels take the batch's 2 rows too
+    ref_logits, ref_tokens, k_ref = _greedy(model, False, gemv_max_rows=8)
     assert not calls
-    logits, tokens, k_got = _greedy(model, True, monkeypatch)
+    logits, tokens, k_got = _greedy(model, True, gemv_max_rows=8)
     L = LM_CFG["num_hidden_layers"]
     assert len(calls) == 3 * 4 * L  # the decode steps only (the prefill has 16 rows)
     assert tokens == ref_tokens
@@ -278,22 +277,24 @@ def test_decoder_gemv_equals_torch(monkeypatch):
     torch.testing.assert_close(k_got, k_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_switch(monkeypatch):
+def test_switch():
+    layer = _tiny_model(torch.float32).model.layers[0]
     x = torch.zeros(8, 4, device=DEVICE)
-    monkeypatch.setattr(layers, "FUSED_ROPE_KV", True)
-    monkeypatch.setattr(layers, "TRITON_GEMV", None)
-    assert layers._use_triton_gemv(x[:1]) == (DEVICE == "cuda" and layers._triton_gemv_env())
-    monkeypatch.setattr(layers, "TRITON_GEMV", True)
-    assert layers.GEMV_MAX_ROWS == 1  # by default single-row decode steps only
-    assert layers._use_triton_gemv(x[:1]) and not layers._use_triton_gemv(x[:2])
-    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 8)
-    assert layers._use_triton_gemv(x) and not layers._use_triton_gemv(torch.zeros(9, 4))
-    monkeypatch.setattr(layers, "FUSED_ROPE_KV", False)
-    assert not layers._use_triton_gemv(x)
+    Options = KernelOptions
+    assert layer.kernels == Options()  # not bound by an engine: the defaults
+    layer.kernels = Options(fused_rope_kv=True)  # the GEMVs by default: not at these shapes
+    assert not layer.uses_triton_gemv(x[:1])
+    layer.kernels = Options(fused_rope_kv=True, triton_gemv=True)
+    assert Options().gemv_max_rows == 1  # by default single-row decode steps only
+    assert layer.uses_triton_gemv(x[:1]) and not layer.uses_triton_gemv(x[:2])
+    layer.kernels = Options(fused_rope_kv=True, triton_gemv=True, gemv_max_rows=8)
+    assert layer.uses_triton_gemv(x) and not layer.uses_triton_gemv(torch.zeros(9, 4))
+    layer.kernels = Options(fused_rope_kv=False, triton_gemv=True, gemv_max_rows=8)
+    assert not layer.uses_triton_gemv(x)
 
 
 def test_default_only_for_tuned_shapes(monkeypatch):
-    # by default (TRITON_GEMV None, on CUDA) a layer takes the GEMVs only where the table has
+    # by default (triton_gemv None, on CUDA) a layer takes the GEMVs only where the table has
     # measured configs for its shapes: Qwen2.5-Omni's talker, not the tiny test decoder
     talker = DecoderForCausalLM(dict(LM_CFG, hidden_size=896, intermediate_size=18944,
                                      num_hidden_layers=1, num_attention_heads=12,
@@ -304,11 +305,12 @@ def test_default_only_for_tuned_shapes(monkeypatch):
         model.model.layers[0].fuse()
     assert talker.model.layers[0].gemv_tuned() and not tiny.model.layers[0].gemv_tuned()
     monkeypatch.setattr(layers, "_triton_ok", lambda device: True)  # as on CUDA
-    monkeypatch.setattr(layers, "TRITON_GEMV", None)
-    monkeypatch.setattr(layers, "FUSED_ROPE_KV", True)
     x = torch.zeros(1, 896, dtype=torch.bfloat16)
-    assert layers._use_triton_gemv(x, talker.model.layers[0]) == layers._triton_gemv_env()
-    assert not layers._use_triton_gemv(x, tiny.model.layers[0])
+    assert talker.model.layers[0].uses_triton_gemv(x)
+    assert not tiny.model.layers[0].uses_triton_gemv(x)
+    # an engine with triton_gemv off configures its layers so
+    configure_kernels(talker, KernelOptions(triton_gemv=False))
+    assert not talker.model.layers[0].uses_triton_gemv(x)
 
 
 # --- GPU ---
@@ -353,17 +355,17 @@ def test_cuda_graph_thinker_bf16(M):
 
 
 @pytest.mark.gpu
-def test_decoder_gemv_bf16_gpu(monkeypatch):
+def test_decoder_gemv_bf16_gpu():
     model = _tiny_model(torch.bfloat16)
-    ref_logits, _, _ = _greedy(model, False, monkeypatch, steps=1)
-    logits, _, _ = _greedy(model, True, monkeypatch, steps=1)
+    ref_logits, _, _ = _greedy(model, False, steps=1)
+    logits, _, _ = _greedy(model, True, steps=1)
     r, g = ref_logits[1], logits[1]  # the decode step (the same input tokens on both paths)
     assert r.abs().mean() > 0.1
     torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * r.abs().max().item())
 
 
 @pytest.mark.gpu
-def test_pdl_fused_reduce_chain_in_graph_equals_plain_launches(monkeypatch):
+def test_pdl_fused_reduce_chain_in_graph_equals_plain_launches():
     """Talker shapes, 4 layers' GEMVs chained (each reads the one before), captured with
     programmatic dependent launch and split-K sums in the GEMV launch: bit-identical to eager
     launches without either, over replays on new inputs (a kernel reading before its wait, or
@@ -381,41 +383,39 @@ def test_pdl_fused_reduce_chain_in_graph_equals_plain_launches(monkeypatch):
     w_qkv, b_qkv, w_o = rnd(qkv, d, scale=d ** -0.5), rnd(qkv), rnd(d, heads, scale=0.03)
     w_gu, w_d = rnd(2 * ffn, d, scale=d ** -0.5), rnd(d, ffn, scale=ffn ** -0.5)
 
-    def chain():
+    def chain(on: bool):  # on: PDL and split-K sums in the GEMV launch; else neither
+        k = dict(pdl=on, fused_reduce=on)
         h = x
         for _ in range(4):
-            a = tg.norm_gemv(h, ln_w, EPS, w_qkv, b_qkv)[:, :heads]
-            h = tg.gemv_residual(a, w_o, h)  # split-K + reduce
-            h = tg.gemv_residual(tg.norm_gemv_silu_mul(h, ln_w, EPS, w_gu), w_d, h)
+            a = tg.norm_gemv(h, ln_w, EPS, w_qkv, b_qkv, **k)[:, :heads]
+            h = tg.gemv_residual(a, w_o, h, **k)  # split-K + reduce
+            h = tg.gemv_residual(tg.norm_gemv_silu_mul(h, ln_w, EPS, w_gu, **k), w_d, h, **k)
         return h
 
-    chain()
+    chain(True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain()
-    monkeypatch.setattr(triton_pdl, "ENABLED", False)
-    monkeypatch.setattr(tg, "FUSED_REDUCE", False)
+        out = chain(True)
     for _ in range(20):
         x.copy_(rnd(1, d))
         graph.replay()
-        plain = chain()
+        plain = chain(False)
         torch.cuda.synchronize()
         assert plain.abs().max() > 0.1
         assert torch.equal(out, plain)
 
 
 @pytest.mark.gpu
-def test_decoder_pdl_equals_plain_gpu(monkeypatch):
+def test_decoder_pdl_equals_plain_gpu():
     """The tiny decoder's decode steps (GEMVs, rope + KV write, split attention) with and
     without programmatic dependent launch: identical logits, tokens and caches."""
     from omnistage.engine.ar import triton_pdl
     if not triton_pdl.pdl_kwargs(torch.device(DEVICE)):
         pytest.skip("PDL needs a Hopper (sm_90+) GPU")
-    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 8)  # the decode steps' 2 rows too
     model = _tiny_model(torch.bfloat16)
-    logits, tokens, k_cache = _greedy(model, True, monkeypatch)
-    monkeypatch.setattr(triton_pdl, "ENABLED", False)
-    ref_logits, ref_tokens, k_ref = _greedy(model, True, monkeypatch)
+    # gemv_max_rows 8: the decode steps' 2 rows too
+    logits, tokens, k_cache = _greedy(model, True, gemv_max_rows=8)
+    ref_logits, ref_tokens, k_ref = _greedy(model, True, gemv_max_rows=8, pdl=False)
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert torch.equal(k_cache, k_ref)

@@ -14,8 +14,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 from omnistage.engine.ar import triton_rope_kv  # noqa: E402
 from omnistage.engine.ar.attention import AttentionMetadata, write_kv  # noqa: E402
 from omnistage.engine.ar.triton_rope_kv import rope_write_kv  # noqa: E402
+from omnistage.engine.ar.kernels import KernelOptions, configure_kernels  # noqa: E402
 from omnistage.models import layers  # noqa: E402
-from omnistage.models.interface import ForwardBatch  # noqa: E402
+from omnistage.engine.ar.interface import ForwardBatch  # noqa: E402
 from omnistage.models.layers import DecoderForCausalLM, apply_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,9 +158,11 @@ def _meta(q_lens, seq_lens, tables, slots) -> AttentionMetadata:
         decode_only=all(n == 1 for n in q_lens))
 
 
-def _run_model(model, fused: bool, monkeypatch, mrope: bool):
-    """Prefill of 2 sequences (5 and 11 tokens), then one decode step; hidden of both steps."""
-    monkeypatch.setattr(layers, "FUSED_ROPE_KV", fused)
+def _run_model(model, fused: bool, mrope: bool):
+    """Prefill of 2 sequences (5 and 11 tokens), then one decode step; hidden of both steps.
+    Eager layer kernels (no torch.compile), the fused rope + KV write forced on or off."""
+    configure_kernels(model, KernelOptions(fused_rope_kv=fused,
+                                                         triton_gemv=False))
     L, n_kv, hd = model.kv_shape
     k_cache = torch.zeros(L, 6, PAGE, n_kv, hd, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
@@ -196,18 +199,14 @@ def test_decoder_fused_equals_torch(mrope, monkeypatch):
             layer.self_attn.q_proj.bias.normal_()
             layer.self_attn.k_proj.bias.normal_()
             layer.self_attn.v_proj.bias.normal_()
-    # eager layer kernels on both sides (an earlier GPU test may have compiled them)
-    for key, fn in (("in", layers.attention_in), ("qkv", layers.attention_qkv),
-                    ("out", layers.attention_out_mlp)):
-        monkeypatch.setitem(layers.KERNELS, key, fn)
     calls = []
     real = triton_rope_kv.rope_write_kv
     monkeypatch.setattr(triton_rope_kv, "rope_write_kv",
-                        lambda *a: calls.append(1) or real(*a))
-    ref, k_ref, v_ref = _run_model(model, False, monkeypatch, mrope)
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, k_ref, v_ref = _run_model(model, False, mrope)
     assert not calls
     calls.clear()
-    got, k_got, v_got = _run_model(model, True, monkeypatch, mrope)
+    got, k_got, v_got = _run_model(model, True, mrope)
     assert len(calls) == 2 * LM_CFG["num_hidden_layers"]
     assert k_ref.abs().sum() > 0 and v_ref.abs().sum() > 0
     for r, g in zip(ref, got):

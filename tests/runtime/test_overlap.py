@@ -20,12 +20,11 @@ def _params(seed: int) -> dict:
                                      suppress_token_ids=[121], seed=seed + 100)}
 
 
-def _run(tiny_omni_dir, monkeypatch, overlap: str, graphs: str = "0"):
+def _run(tiny_omni_dir, monkeypatch, overlap: str, graphs: str = "0", **options):
     # graphs "eager": the AR stages take the decode-graph path (uncaptured on the CPU), where
     # async scheduling launches each decode step before the previous one's tokens are read
-    monkeypatch.setenv("OMNISTAGE_OVERLAP", overlap)
-    monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", graphs)
-    llm = OmniLLM(str(tiny_omni_dir))
+    llm = OmniLLM(str(tiny_omni_dir), overlap=overlap == "1",
+                  cuda_graphs="off" if graphs == "0" else graphs, **options)
     assert llm.runtime.overlap == (overlap == "1")
     llm.runtime.trace = []
     msgs = tiny_omni_test_messages()
@@ -98,16 +97,15 @@ def test_code2wav_abort_while_a_chunk_is_in_flight(tiny_omni_dir):
 
 
 def test_first_chunk_steps_run_alone(tiny_omni_dir, monkeypatch):
-    """OMNISTAGE_FIRST_CHUNK_ALONE: a code2wav step with first chunks holds only first chunks,
+    """code2wav_first_alone: a code2wav step with first chunks holds only first chunks,
     no other stage launches while it is in flight, and the outputs stay those of serial steps."""
     from omnistage.runtime.orchestrator import Orchestrator
-    from omnistage.models.qwen2_5_omni.code2wav_stage import Qwen2_5OmniCode2WavStage
+    from omnistage.engine.gen import GenStageWorker
     serial, _, _ = _run(tiny_omni_dir, monkeypatch, "0")
-    monkeypatch.setenv("OMNISTAGE_FIRST_CHUNK_ALONE", "1")
     launches: list[tuple[str, bool]] = []  # (stage, an exclusive step was in flight)
     # code2wav steps: (exclusive, the chunks it decoded, another request waited for audio)
     steps: list[tuple[bool, list[int], bool]] = []
-    real_launch, real_c2w = Orchestrator._launch, Qwen2_5OmniCode2WavStage.launch
+    real_launch, real_c2w = Orchestrator._launch, GenStageWorker.launch
 
     def launch(self, name, host):
         launches.append((name, any(s.exclusive for s in self.inflight.values())))
@@ -142,8 +140,8 @@ def test_first_chunk_steps_run_alone(tiny_omni_dir, monkeypatch):
         return launched
 
     monkeypatch.setattr(Orchestrator, "_launch", launch)
-    monkeypatch.setattr(Qwen2_5OmniCode2WavStage, "launch", c2w_launch)
-    overlapped, _, _ = _run(tiny_omni_dir, monkeypatch, "1")
+    monkeypatch.setattr(GenStageWorker, "launch", c2w_launch)
+    overlapped, _, _ = _run(tiny_omni_dir, monkeypatch, "1", code2wav_first_alone=True)
     assert launches and not any(held for _, held in launches)
     # alone: only first chunks, and no other request still waited for codes for its first audio
     alone = [(chunks, wait) for exclusive, chunks, wait in steps if exclusive]
@@ -157,8 +155,7 @@ def test_first_chunk_steps_run_alone(tiny_omni_dir, monkeypatch):
 
 
 def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monkeypatch):
-    monkeypatch.setenv("OMNISTAGE_FIRST_CHUNK_ALONE", "1")
-    llm = OmniLLM(str(tiny_omni_dir))
+    llm = OmniLLM(str(tiny_omni_dir), code2wav_first_alone=True)
     llm.shutdown()
     stage = llm.pipeline.workers["code2wav"]
     assert stage.first_alone
@@ -180,8 +177,7 @@ def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monke
     assert not launched.exclusive and sorted(rid for rid, _ in launched.state[0]) == ["a", "b"]
     stage.collect(launched)
     # more first chunks ready than a step holds: each step of them alone, as none waits for codes
-    import omnistage.models.qwen2_5_omni.code2wav_stage as c2w
-    monkeypatch.setattr(c2w, "MAX_BATCH", 1)
+    monkeypatch.setattr(stage, "max_batch", 1)
     for rid in ("c", "d"):
         stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
         stage.add_codes(rid, [9] * 120, finished=False)

@@ -103,6 +103,10 @@ def test_llm_in_a_stage_process(tiny_qwen2):
         ref = llm.generate(prompts, p, use_tqdm=False)
     with OmniLLM(str(tiny_qwen2), device="cpu", stage_worker="process") as llm:
         outs = llm.generate(prompts, p, use_tqdm=False)
+        # the server's state reads what it needs off the pipeline, not off an engine here
+        from omnistage.entrypoints.openai.serving import ServerConfig, ServerState
+        state = ServerState(llm, ServerConfig(served_model_names=["tiny"]))
+        assert not llm.pipeline.workers and state.max_model_len == llm.pipeline.max_model_len > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert all(len(o.token_ids) == 12 and o.text for o in outs)
 

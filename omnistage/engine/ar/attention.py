@@ -49,13 +49,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, hd] -> [T, H, hd]; K/V of the new tokens are already in the cache."""
+                    meta: AttentionMetadata, scale: float, pdl: bool = True) -> torch.Tensor:
+    """q: [T, H, hd] -> [T, H, hd]; K/V of the new tokens are already in the cache. pdl: the
+    Triton decode kernels launch with programmatic dependent launch where supported."""
     if _triton_ok(q.device):
         from omnistage.engine.ar import triton_attention as ta
         if meta.decode_only:
             return ta.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                             meta.seq_lens, scale)
+                                             meta.seq_lens, scale, pdl=pdl)
         return ta.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.query_start_loc, meta.seq_lens,
                                           meta.max_query_len, scale)

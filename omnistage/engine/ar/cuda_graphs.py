@@ -7,7 +7,8 @@ the block manager's range. Two graphs per step, replayed back to back:
     static buffer outside the graph pool;
   head (size, SamplingFlags): logits of that hidden, the sampler on the SamplerState's device
     rows (penalties, bans, warpers, Gumbel draw), forced ids, the counts update -> B ids, then
-    one D2H copy of B ints. Head key (size, None) = logits only (the legacy host sampler).
+    one D2H copy of B ints. Head key (size, None) = logits only (sampled eagerly: no sampler
+    state, or its graph failed to capture).
 Keying heads by the flags keeps sample()'s host branches fixed per graph (same ops as eager).
 
 Static inputs live in one int32 device buffer filled from a pinned host buffer by one
@@ -20,13 +21,12 @@ Async scheduling: a step may be launched before the previous one's tokens reache
 (run(..., ahead=1)); its input ids are then copied on the device from the previous step's
 sampled ids. Two steps can be in flight, so the pinned input and token buffers alternate.
 
-OMNISTAGE_CUDA_GRAPHS=eager runs this same static-buffer path without capturing (each replay
-reruns the function), on any device: the CPU tests exercise the graph path's bookkeeping."""
+EngineConfig.cuda_graphs="eager" runs this same static-buffer path without capturing (each
+replay reruns the function), on any device: the CPU tests exercise the graph path's bookkeeping."""
 
 from __future__ import annotations
 
 import gc
-import os
 import warnings
 import weakref
 
@@ -34,7 +34,7 @@ import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.sampler import SamplerState, StepSampling
-from omnistage.models.interface import ForwardBatch
+from omnistage.engine.ar.interface import ForwardBatch
 
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
 
@@ -94,20 +94,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def graphs_mode() -> str:
-    mode = os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1")
-    if mode not in ("0", "1", "eager"):
-        raise ValueError(f"OMNISTAGE_CUDA_GRAPHS: {mode!r}; expected 0, 1 or eager")
-    return mode
-
-
-def graphs_enabled(device: torch.device) -> bool:
-    """CUDA device with Triton attention (unless OMNISTAGE_CUDA_GRAPHS=0), or any device with
-    OMNISTAGE_CUDA_GRAPHS=eager."""
-    mode = graphs_mode()
+def graphs_enabled(mode: str, device: torch.device) -> bool:
+    """Whether decode steps take the graph path (mode: EngineConfig.cuda_graphs): "auto" on a
+    CUDA device with the Triton attention, "eager" (uncaptured) on any device."""
     if mode == "eager":
         return True
-    if device.type != "cuda" or mode == "0":
+    if device.type != "cuda" or mode != "auto":
         return False
     from omnistage.engine.ar.attention import _triton_ok
     return _triton_ok(device)
@@ -144,7 +136,8 @@ class _HostEvent:
 class DecodeGraphs:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, block_size: int,
                  dummy_block: int, uses_mrope: bool, device: torch.device,
-                 dtype: torch.dtype, sampler: SamplerState | None = None) -> None:
+                 dtype: torch.dtype, sampler: SamplerState | None = None,
+                 eager: bool = False) -> None:
         self.model, self.device, self.dtype, self.sampler = model, device, dtype, sampler
         self.scratch_slot = sampler.scratch if sampler is not None else 0
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -155,7 +148,7 @@ class DecodeGraphs:
                      "step": 7 * M, "force": 8 * M, "tables": 9 * M}
         total = 9 * M + M * MB
         cuda = device.type == "cuda"
-        self.capture = cuda and graphs_mode() != "eager"
+        self.capture = cuda and not eager  # eager: replays rerun the functions
         # two of each host buffer (and its event): a step launched ahead is filled while the
         # previous one may still be in flight
         self.host = [torch.zeros(total, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]

@@ -6,11 +6,10 @@ ids taken from prev's sampled ids on the device, so the host's collect/schedule 
 behind the GPU. Only when nothing the host knows can change the batch: no request waiting,
 none reaching max_tokens / forced ids / max_model_len, every next input row ready. A request
 that stops on an EOS or stop string in prev wastes its row of the step ahead (dropped at
-collect). OMNISTAGE_ASYNC_SCHEDULING=0 turns it off."""
+collect). EngineConfig.async_scheduling=False turns it off."""
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
@@ -51,7 +50,7 @@ class AREngine:
         self.num_steps = 0
         self.num_ahead_steps = 0
         self._arrivals = 0
-        self.async_scheduling = os.environ.get("OMNISTAGE_ASYNC_SCHEDULING", "1") != "0"
+        self.async_scheduling = config.async_scheduling
         self._ahead: LaunchedBatch | None = None  # launched ahead; launch() returns it next
 
     # ---------------------------------------------------------------- requests

@@ -1,26 +1,24 @@
 """Owns the model and its paged KV cache; turns a ScheduledBatch into one forward + sampling.
 
 Sampling runs on the SamplerState's device rows (one slot per sampling sequence): eagerly after
-an eager forward, inside the head CUDA graph after a graphed decode. OMNISTAGE_DEVICE_SAMPLER=0
-selects the older host-built SamplingTensors path (same tokens; kept for comparison)."""
+an eager forward, inside the head CUDA graph after a graphed decode. The engine/kernel switches
+are EngineConfig's, read here once: the decoder layers get theirs at bind time."""
 
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
+from omnistage.engine.ar.kernels import KernelOptions, configure_kernels
 from omnistage.engine.ar.prefill_graphs import PrefillGraphs
-from omnistage.engine.ar.sampler import (SamplerState, SamplingFlags, SamplingTensors,
-                                         StepSampling, sample)
+from omnistage.engine.ar.sampler import SamplerState, SamplingFlags, StepSampling
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.models.interface import ForwardBatch
-from omnistage.models.layers import compile_layer_kernels
+from omnistage.engine.ar.interface import ForwardBatch
 from omnistage.sampling_params import SamplingParams
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks is unset
@@ -43,7 +41,7 @@ class LaunchedBatch:
     partial: StepResult | None = None
     sampling: StepSampling | None = None
     sample_rows: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # legacy sampler: logits graph output
+    logits: torch.Tensor | None = None  # logits graph output (no sampler state on the graphs)
     inputs: list = field(default_factory=list)
     graph_run: int = -1  # DecodeGraphs run index (where its sampled ids land)
 
@@ -56,13 +54,12 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
-        self.legacy_sampler = os.environ.get("OMNISTAGE_DEVICE_SAMPLER", "1") == "0"
         self.sampler: SamplerState | None = None
         vocab = getattr(model, "vocab_size", None)
         if isinstance(vocab, int):  # before the KV cache takes the free memory
             self._sampler_state(vocab)
         self.num_blocks = self._num_blocks()
-        use_graphs = graphs_enabled(device)
+        use_graphs = graphs_enabled(config.cuda_graphs, device)
         layers, n_kv, hd = model.kv_shape
         # with graphs, one extra block past the block manager's range takes padding rows' K/V
         shape = (layers, self.num_blocks + int(use_graphs), config.block_size, n_kv, hd)
@@ -72,27 +69,30 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.uses_mrope = getattr(model.config, "mrope_section", None) is not None
         self.num_forwards = 0
-        if device.type == "cuda" and os.environ.get("OMNISTAGE_COMPILE", "1") != "0":
-            compile_layer_kernels()
+        configure_kernels(model, KernelOptions(
+            compile=device.type == "cuda" and config.compile,
+            fused_rope_kv=None if config.fused_rope_kv else False,  # None: where Triton runs
+            triton_gemv=None if config.triton_gemv else False,
+            gemv_fused_reduce=config.gemv_fused_reduce, pdl=config.pdl))
         self.graphs = DecodeGraphs(
             model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, dummy_block=self.num_blocks,
-            uses_mrope=self.uses_mrope, device=device, dtype=dtype,
-            sampler=self.sampler) if use_graphs else None
-        self.prefill_graphs = PrefillGraphs(self.graphs) if use_graphs and os.environ.get(
-            "OMNISTAGE_PREFILL_GRAPHS", "1") != "0" else None
+            uses_mrope=self.uses_mrope, device=device, dtype=dtype, sampler=self.sampler,
+            eager=config.cuda_graphs == "eager") if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self.graphs) \
+            if use_graphs and config.prefill_graphs else None
 
     def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
                       ) -> None:
-        """Capture the decode graphs of every batch size now (CUDA; OMNISTAGE_GRAPH_WARMUP=0
-        leaves them to first use), with head graphs for these params and their greedy variant,
-        min_tokens on and off."""
-        if self.graphs is None or os.environ.get("OMNISTAGE_GRAPH_WARMUP", "1") == "0":
+        """Capture the decode graphs of every batch size now (CUDA; EngineConfig.graph_warmup
+        False leaves them to first use), with head graphs for these params and their greedy
+        variant, min_tokens on and off."""
+        if self.graphs is None or not self.config.graph_warmup:
             return
         flag_sets = set()
         for p in params:
             for greedy, banned in itertools.product((p.greedy, True), (False, True)):
-                flag_sets.add(None if self.legacy_sampler or self.graphs.sampler is None else
+                flag_sets.add(None if self.graphs.sampler is None else
                               SamplingFlags(greedy, p.top_k > 0 and not greedy,
                                             p.top_p < 1 and not greedy,
                                             p.min_p > 0 and not greedy, p.needs_penalties,
@@ -104,7 +104,8 @@ class ModelRunner:
 
     def _sampler_state(self, vocab: int) -> SamplerState:
         if self.sampler is None:
-            self.sampler = SamplerState(self.config.max_num_seqs, vocab, self.device)
+            self.sampler = SamplerState(self.config.max_num_seqs, vocab, self.device,
+                                        fast=self.config.fast_sampler)
         elif self.sampler.vocab_size != vocab:
             raise RuntimeError(f"sampler: logits have {vocab} columns, the model's vocab_size "
                                f"is {self.sampler.vocab_size}")
@@ -195,9 +196,6 @@ class ModelRunner:
         return torch.cat(parts)
 
     # ---------------------------------------------------------------- step
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        return self.finish(self.launch(batch))
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedBatch:
         """Queue the step's GPU work. A graphed decode returns before the GPU is done (its
@@ -280,10 +278,11 @@ class ModelRunner:
                 for s in seqs]
         # (a step launched ahead samples every row: its sequences sampled in the last step)
         srows = [r for r, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
-        legacy = self.legacy_sampler or self.graphs.sampler is None
-        step = self.sampler.prepare(seqs, srows, ahead) if srows and not legacy else None
+        # no sampler state on the graphs (a model without vocab_size): logits, sampled eagerly
+        eager = self.graphs.sampler is None
+        step = self.sampler.prepare(seqs, srows, ahead) if srows and not eager else None
         hidden, logits, run = self.graphs.run(seqs, [r[0] for r in rows], [r[1] for r in rows],
-                                              step, logits=bool(srows) and legacy, ahead=ahead)
+                                              step, logits=bool(srows) and eager, ahead=ahead)
         self.num_forwards += 1
         # graph outputs are overwritten by the next replay: exported rows are cloned
         partial = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
@@ -293,9 +292,6 @@ class ModelRunner:
 
     def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
         # logits: [len(samplers), V] fp32
-        if self.legacy_sampler:
-            t = SamplingTensors.build(samplers, logits.shape[-1], self.device)
-            return sample(logits, t).tolist()
         state = self._sampler_state(logits.shape[-1])
         step = state.prepare(samplers, list(range(len(samplers))))
         slots, steps, force = state.device_inputs(step)

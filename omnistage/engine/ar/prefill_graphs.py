@@ -1,9 +1,9 @@
 """Prefill steps of one sequence replayed from CUDA graphs (GPU fast path of the ModelRunner).
 
-NOTE: a batch-1 prefill of a short prompt is host-bound. Eagerly, the thinker's 60-token
-prefill took 21 ms of host time for 5.8 ms of GPU work and the talker's 28.8 ms for 2.0 ms (H100,
-7B shapes: benchmarks/profile_decode.py --prefill), and both lie on the way to a request's
-first audio. So a step whose only sequence computes 2..max_tokens positions runs the model as
+NOTE: a batch-1 prefill of a short prompt is host-bound (several times more host time than GPU
+work; measured: benchmarks/results/profile_decode_h100_prefill_eager_2026-11-23.json), and the
+thinker's and talker's prefills lie on the way to a request's first audio. So a step whose
+only sequence computes 2..max_tokens positions runs the model as
 the forward graph of the smallest bucket >= its token count T:
   - rows past T are padding: token 0 at position 0, K/V written into the runner's dummy block
     (beyond the block manager's range), and query_start_loc ends at T, so attention computes
@@ -12,7 +12,7 @@ the forward graph of the smallest bucket >= its token count T:
     the decode graphs, which never replay at the same time);
   - the logits of the last row and the sampler then run eagerly, as after an eager forward.
 Graphs are keyed (bucket, has replacement rows, has additive rows) and captured at first use
-(warmup() captures the token-only ones). OMNISTAGE_PREFILL_GRAPHS=0 turns them off.
+(warmup() captures the token-only ones). EngineConfig.prefill_graphs=False turns them off.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs
-from omnistage.models.interface import ForwardBatch
+from omnistage.engine.ar.interface import ForwardBatch
 
 BUCKETS = (16, 32, 64, 128, 256)  # padded token counts; larger prefills stay eager
 

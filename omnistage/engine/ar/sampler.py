@@ -9,11 +9,10 @@ in any batch, on any device, and capturable in a CUDA graph (no host state).
 SamplerState keeps each running sequence's sampling state on the device, in a slot: its params,
 output-id counts (updated on the device after each draw) and a bit mask of prompt ids, suppressed
 ids and stop ids. A step then sends only slot indices, step counters and forced ids; the
-SamplingTensors it gathers hold the same values SamplingTensors.build makes from the lists."""
+SamplingTensors it gathers hold the values the lists give (tests build them from the lists)."""
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -46,56 +45,6 @@ class SamplingTensors:
     seen_mask: torch.Tensor | None = None  # [N, V] bool: prompt + output ids
     output_counts: torch.Tensor | None = None  # [N, V] float: output id counts
     banned_mask: torch.Tensor | None = None  # [N, V] bool: -inf (min_tokens stops, suppressed)
-
-    @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
-        ps = [s.params for s in seqs]
-
-        def vec(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        t = cls(temperature=vec([p.temperature for p in ps], torch.float32),
-                top_k=vec([p.top_k if p.top_k > 0 else 0 for p in ps], torch.long),
-                top_p=vec([p.top_p for p in ps], torch.float32),
-                min_p=vec([p.min_p for p in ps], torch.float32),
-                seed=vec([s.seed & 0x7FFFFFFFFFFFFFFF for s in seqs], torch.long),
-                step=vec([len(s.output_token_ids) for s in seqs], torch.long),
-                all_greedy=all(p.greedy for p in ps),
-                any_top_k=any(p.top_k > 0 for p in ps), any_top_p=any(p.top_p < 1 for p in ps),
-                any_min_p=any(p.min_p > 0 for p in ps))
-        if any(p.needs_penalties for p in ps):
-            t.repetition_penalty = vec([p.repetition_penalty for p in ps], torch.float32)
-            t.presence_penalty = vec([p.presence_penalty for p in ps], torch.float32)
-            t.frequency_penalty = vec([p.frequency_penalty for p in ps], torch.float32)
-            t.seen_mask, t.output_counts = _token_stats(seqs, vocab_size, device)
-        banned = [(r, tid) for r, s in enumerate(seqs) for tid in _banned_ids(s)
-                  if 0 <= tid < vocab_size]
-        if banned:
-            mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
-            idx = torch.tensor(banned, dtype=torch.long, device=device)
-            mask[idx[:, 0], idx[:, 1]] = True
-            t.banned_mask = mask
-        return t
-
-
-def _banned_ids(seq: Sequence) -> list[int]:
-    ids = list(seq.params.suppress_token_ids)
-    if len(seq.output_token_ids) < seq.params.min_tokens:
-        ids += sorted(seq.stop_token_ids)
-    return ids
-
-
-def _token_stats(seqs: list[Sequence], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(seqs)
-    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
-    for r, s in enumerate(seqs):
-        prompt = torch.tensor(s.prompt_token_ids, dtype=torch.long, device=device)
-        seen[r, prompt.clamp(0, vocab - 1)] = True
-        if s.output_token_ids:
-            out = torch.tensor(s.output_token_ids, dtype=torch.long, device=device)
-            counts[r].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-    return seen | (counts > 0), counts
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -209,9 +158,11 @@ class SamplerState:
     slot for rows that do not sample). Host side: which sequence owns each slot and what the
     device rows reflect, so a slot is rebuilt from the lists only when it is new or stale."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device,
+                 fast: bool = True) -> None:
         S, V = num_slots, vocab_size
         self.num_slots, self.vocab_size, self.device = S, V, device
+        self.fast = fast  # the Triton kernels on CUDA (EngineConfig.fast_sampler)
         self.scratch = S
         self.counts = torch.zeros(S + 1, V, dtype=torch.float32, device=device)  # output ids
         self.bits = torch.zeros(S + 1, V, dtype=torch.uint8, device=device)  # SEEN|SUPPRESS|STOP
@@ -381,12 +332,12 @@ class SamplerState:
         """logits [N, V] fp32 -> ids [N] long (forced ids where force >= 0); then the slots'
         output counts += the ids. Capturable: no host sync, no host-built tensors.
         fast: the Triton kernels (sampler_triton, same tokens up to ulp-level near ties); None =
-        on CUDA unless OMNISTAGE_FAST_SAMPLER=0; False = the torch reference below."""
+        on CUDA when this state's `fast` is set; False = the torch reference below."""
         if logits.shape[-1] != self.vocab_size:
             raise RuntimeError(f"sampler: logits have {logits.shape[-1]} columns, state has "
                                f"{self.vocab_size}")
         if fast is None:
-            fast = logits.is_cuda and os.environ.get("OMNISTAGE_FAST_SAMPLER", "1") != "0"
+            fast = logits.is_cuda and self.fast
         if fast and logits.shape[0] > 0:
             from omnistage.engine.ar import sampler_triton  # triton: imported on first use
             return sampler_triton.sample_rows(self, logits, slots, steps, force, flags, update)

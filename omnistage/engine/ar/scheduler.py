@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.sequence import Sequence, SequenceStatus
@@ -24,6 +25,19 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None  # of free device memory, when num_kv_blocks unset
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # decode steps replayed from CUDA graphs: "auto" = on CUDA with the Triton attention;
+    # "eager" = the graph path's static buffers run uncaptured, on any device (CPU tests)
+    cuda_graphs: Literal["auto", "off", "eager"] = "auto"
+    prefill_graphs: bool = True  # one-sequence prefills through padded graphs (with graphs)
+    graph_warmup: bool = True  # capture every batch size at startup, not at first use
+    compile: bool = True  # torch.compile the layers' norm/rope/MLP kernels (CUDA)
+    async_scheduling: bool = True  # launch the next decode step before collecting tokens
+    fast_sampler: bool = True  # the Triton sampler kernels (CUDA); else the torch reference
+    pdl: bool = True  # programmatic dependent launch of the decode kernels (Hopper+)
+    fused_rope_kv: bool = True  # rope + paged KV write in one Triton launch (CUDA)
+    triton_gemv: bool = True  # 1-row decode steps' dense parts as Triton GEMVs (tuned shapes)
+    gemv_fused_reduce: bool = True  # split-K GEMVs sum their partials in the same launch
+    ar_stream: str | None = None  # AR stages of one name share a CUDA stream; None: own one
 
     def validate(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -41,6 +55,19 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked "
                              "prefill is off (a whole prompt must fit in one step)")
+        if self.cuda_graphs not in ("auto", "off", "eager"):
+            raise ValueError(f"cuda_graphs: {self.cuda_graphs!r}; expected auto, off or eager")
+        for name in BOOL_SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.ar_stream is not None and (not isinstance(self.ar_stream, str)
+                                           or not self.ar_stream):
+            raise ValueError(f"ar_stream: a non-empty name or None, got {self.ar_stream!r}")
+
+
+# EngineConfig's engine/kernel on-off switches (each also an option of engine_config)
+BOOL_SWITCHES = ("prefill_graphs", "graph_warmup", "compile", "async_scheduling",
+                 "fast_sampler", "pdl", "fused_rope_kv", "triton_gemv", "gemv_fused_reduce")
 
 
 @dataclass
@@ -160,3 +187,42 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
+
+
+def engine_config(model_max_len: int, *, max_model_len: int | None = None,
+                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                  block_size: int | None = None, num_kv_blocks: int | None = None,
+                  kv_cache_memory_fraction: float | None = None,
+                  enable_prefix_caching: bool = True,
+                  enable_chunked_prefill: bool = True, cuda_graphs: str | None = None,
+                  prefill_graphs: bool | None = None, graph_warmup: bool | None = None,
+                  compile: bool | None = None, async_scheduling: bool | None = None,
+                  fast_sampler: bool | None = None, pdl: bool | None = None,
+                  fused_rope_kv: bool | None = None, triton_gemv: bool | None = None,
+                  gemv_fused_reduce: bool | None = None,
+                  ar_stream: str | None = None) -> EngineConfig:
+    """The engine's config; an option left None takes EngineConfig's default."""
+    switches = dict(cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs,
+                    graph_warmup=graph_warmup, compile=compile,
+                    async_scheduling=async_scheduling, fast_sampler=fast_sampler, pdl=pdl,
+                    fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv,
+                    gemv_fused_reduce=gemv_fused_reduce, ar_stream=ar_stream)
+
+    def pick(value, default):
+        return default if value is None else value
+
+    max_len = pick(max_model_len, min(model_max_len, 32768))
+    if isinstance(max_len, int) and max_len > model_max_len:
+        raise ValueError(f"max_model_len: {max_len} exceeds the model's "
+                         f"max_position_embeddings {model_max_len}")
+    default_budget = max_len if not enable_chunked_prefill else 2048
+    cfg = EngineConfig(
+        max_model_len=max_len, max_num_seqs=pick(max_num_seqs, 64),
+        max_num_batched_tokens=pick(max_num_batched_tokens, default_budget),
+        block_size=pick(block_size, 16), num_kv_blocks=num_kv_blocks,
+        kv_cache_memory_fraction=kv_cache_memory_fraction,
+        enable_prefix_caching=bool(enable_prefix_caching),
+        enable_chunked_prefill=bool(enable_chunked_prefill),
+        **{k: v for k, v in switches.items() if v is not None})
+    cfg.validate()
+    return cfg

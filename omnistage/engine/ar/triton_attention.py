@@ -16,7 +16,6 @@ shapes depend only on B, the head counts and ``block_tables.shape``).
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -259,7 +258,7 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    return dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype != torch.float32 and triton.knobs.runtime.interpret
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -284,11 +283,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, pdl: bool = True) -> torch.Tensor:
     """One query token per sequence against its paged K/V (already holding that token's K/V).
 
     Reads only; no host syncs, so it can be captured in a CUDA graph. Rows with seq_len 0
-    (batch padding) give zeros.
+    (batch padding) give zeros. pdl: programmatic dependent launch where supported.
     """
     # q: [B, H, D]; k_cache/v_cache: [NB, page, KVH, D]; block_tables: [B, MB] int32;
     # seq_lens: [B] int32 -> out [B, H, D] in q's dtype
@@ -315,7 +314,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out  # unused by the kernel
     d_pad = _pow2(head_dim)
-    pdl = pdl_kwargs(q.device)  # seq_lens must not come from the kernel right before
+    launch = pdl_kwargs(q.device, pdl)  # seq_lens must not come from the kernel right before
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
@@ -327,13 +326,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=_pow2(group), HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=num_splits,
         IEEE=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
-        num_warps=4, **pdl,
+        num_warps=4, **launch,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_heads,
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), num_warps=1, **pdl,
+            S_PAD=triton.next_power_of_2(num_splits), num_warps=1, **launch,
         )
     return out
 

@@ -14,7 +14,7 @@ by every program from x (M x K elements, L2-resident) instead of costing a launc
 programs cover the GPU (N / BLOCK_N small, K large: the down projection), K is split: each
 split stores fp32 partials and counts its arrival on its N tile (an atomic add), and the last
 one to arrive sums the partials in split order (deterministic) and runs the epilogue, so no
-second launch is needed (FUSED_REDUCE; else a reduce launch does it, the same sums). Launch
+second launch is needed (fused_reduce; else a reduce launch does it, the same sums). Launch
 shapes depend only on tensor shapes: CUDA-graph capturable.
 
 Rounding follows the torch expressions in models/layers.py: the norm casts to the dtype before
@@ -28,7 +28,6 @@ operands are upcast; the tests account for the truncation).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ import triton.language as tl
 
 from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = triton.knobs.runtime.interpret  # Triton's own TRITON_INTERPRET
 if _INTERPRET:
     _math = tl  # the interpreter implements tl.exp, not libdevice
 else:
@@ -57,16 +56,9 @@ class GemvConfig:
 
 
 # Explicit choices for Qwen2.5-Omni's bf16 shapes, (W rows N, K) -> (M = 1 config, 2 <= M
-# config). M = 1: the winners of `benchmarks/gemv_gpu.py --sections sweep --sweep-ms 1` on the
-# H100 (each field varied from a first guess, us per call, weights streamed from HBM):
-#   talker  qkv 5.88 -> 4.63 (cuBLAS alone 4.78), o 5.46 -> 4.73 (5.10), gate/up 31.1 -> 26.5
-#           (26.6 without the SiLU), down 21.3 -> 17.7 (16.0 without the residual);
-#   thinker qkv 19.5 -> 15.5 (14.7), o 14.6 -> 13.2 (11.8), gate/up 108.7 -> 96.5 (98.2),
-#           down 55.4 -> 50.1 (52.3)
-# (a second sweep from the first one's winners). BLOCK_N 8 and BLOCK_K 1024 (2 KB of
-# each W row per step) won almost everywhere; split-K only for the down projections' long K
-# and the thinker's o_proj. 2 <= M (tl.dot, M padded to 16): first guesses,
-# slower than cuBLAS on the H100 (layers.py takes this path at M = 1 only).
+# config). M = 1: the winners of `benchmarks/gemv_gpu.py --sections sweep --sweep-ms 1`
+# (measured: benchmarks/results/gemv_gpu_h100_2026-11-22.json); 2 <= M (tl.dot, M padded to
+# 16): first guesses, slower than cuBLAS (layers.py takes this path at M = 1 only).
 _C = GemvConfig
 _TABLE = {
     # talker: d 896, 12 heads, 4 KV heads, ffn 18944
@@ -289,10 +281,9 @@ def _reduce_kernel(
               HAS_BIAS, SILU_MUL, HAS_RES)
 
 
-# Split K: the last split of each N tile to finish sums the partials and runs the epilogue,
-# counted in a per-weight int32 array that this program resets (no second launch). False: a
-# separate reduce launch (benchmarks compare the two).
-FUSED_REDUCE = os.environ.get("OMNISTAGE_GEMV_FUSED_REDUCE", "1") != "0"
+# Split K (fused_reduce, the default): the last split of each N tile to finish sums the
+# partials and runs the epilogue, counted in a per-weight int32 array that this program resets
+# (no second launch). fused_reduce=False: a separate reduce launch (benchmarks compare the two).
 _COUNTS: dict[tuple[int, int, int], torch.Tensor] = {}
 
 
@@ -317,7 +308,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.Tensor | None,
           eps: float, residual: torch.Tensor | None, silu: bool,
-          config: GemvConfig | None) -> torch.Tensor:
+          config: GemvConfig | None, pdl: bool, fused_reduce: bool) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected [M, K] and [N, K]")
     M, K = x.shape
@@ -350,9 +341,9 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     dummy = out  # stands in for absent pointers (never read: constexpr-guarded)
     res = residual if residual is not None else dummy
     flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None,
-                 **pdl_kwargs(x.device))
+                 **pdl_kwargs(x.device, pdl))
     n_tiles = triton.cdiv(N, cfg.block_n)
-    fused = splits > 1 and FUSED_REDUCE
+    fused = splits > 1 and fused_reduce
     _gemv_kernel[(n_tiles, splits)](
         x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, out,
         part, _arrival_counts(w, n_tiles) if fused else out,
@@ -373,28 +364,31 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
 
 
 def norm_gemv(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor,
-              b: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+              b: torch.Tensor | None = None, config: GemvConfig | None = None, *,
+              pdl: bool = True, fused_reduce: bool = True) -> torch.Tensor:
     """rms_norm(x, ln_w, eps) @ w.T + b, as layers.attention_qkv.
 
     x: [M, K]; ln_w: [K]; w: [N, K]; b: [N] -> [M, N], all one float dtype (fp32 accumulation).
     """
-    return _gemv(x, w, b, ln_w, eps, None, False, config)
+    return _gemv(x, w, b, ln_w, eps, None, False, config, pdl, fused_reduce)
 
 
 def norm_gemv_silu_mul(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
                        b: torch.Tensor | None = None,
-                       config: GemvConfig | None = None) -> torch.Tensor:
+                       config: GemvConfig | None = None, *, pdl: bool = True,
+                       fused_reduce: bool = True) -> torch.Tensor:
     """silu(gate) * up with gate, up = (rms_norm(x) @ w_gate_up.T + b).chunk(2, -1).
 
     x: [M, K]; ln_w: [K]; w_gate_up: [2F, K] (gate rows, then up rows); b: [2F] -> [M, F].
     """
-    return _gemv(x, w_gate_up, b, ln_w, eps, None, True, config)
+    return _gemv(x, w_gate_up, b, ln_w, eps, None, True, config, pdl, fused_reduce)
 
 
 def gemv_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
-                  b: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+                  b: torch.Tensor | None = None, config: GemvConfig | None = None, *,
+                  pdl: bool = True, fused_reduce: bool = True) -> torch.Tensor:
     """residual + (x @ w.T + b), the linear's output rounded to the dtype before the add.
 
     x: [M, K]; w: [N, K]; residual: [M, N]; b: [N] -> [M, N] (a new tensor).
     """
-    return _gemv(x, w, b, None, 0.0, residual, False, config)
+    return _gemv(x, w, b, None, 0.0, residual, False, config, pdl, fused_reduce)

@@ -16,7 +16,6 @@ more kernels earlier.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -24,9 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# OMNISTAGE_PDL=0 turns it off (read once; tests and benchmarks may set ENABLED)
-ENABLED = os.environ.get("OMNISTAGE_PDL", "1") != "0"
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = triton.knobs.runtime.interpret  # Triton's own TRITON_INTERPRET
 
 
 @functools.lru_cache(maxsize=8)
@@ -34,9 +31,10 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_kwargs(device: torch.device) -> dict[str, Any]:
-    """Extra launch arguments of a PDL-aware kernel: {} (plain launch) or PDL on."""
-    if not ENABLED or _INTERPRET or device.type != "cuda":
+def pdl_kwargs(device: torch.device, enabled: bool = True) -> dict[str, Any]:
+    """Extra launch arguments of a PDL-aware kernel: {} (plain launch) or PDL on. enabled:
+    the caller's switch (EngineConfig.pdl, threaded down by the decoder layers)."""
+    if not enabled or _INTERPRET or device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _hopper(index) else {}

@@ -85,14 +85,15 @@ def _rope_write_kv_kernel(
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int, head_dim: int, pdl: bool = True
+                  ) -> torch.Tensor:
     """Ropes q and k of the fused projection, writes k and v at `slot_mapping`; returns q.
 
     qkv: [T, (H + 2*Hkv) * hd] (q heads, then k, then v); cos/sin: [T, hd] fp32;
     caches: [num_blocks, block_size, Hkv, hd]; slot_mapping: [T] long (block*block_size + offset,
     negative = skip). Returns q roped, [T, H, hd] in qkv's dtype. With PDL (triton_pdl.py),
     cos, sin and slot_mapping are read before waiting: they must not come from the kernel
-    launched right before this one (qkv may).
+    launched right before this one (qkv may). pdl: False = a plain launch.
     """
     T = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -128,5 +129,5 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, HKV=num_kv_heads, HD=head_dim, HALF_PAD=half_pad, BLOCK_H=block_h,
-        PAGE=k_cache.shape[1], num_warps=4, enable_fp_fusion=False, **pdl_kwargs(qkv.device))
+        PAGE=k_cache.shape[1], num_warps=4, enable_fp_fusion=False, **pdl_kwargs(qkv.device, pdl))
     return q

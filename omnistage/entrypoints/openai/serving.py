@@ -71,10 +71,11 @@ class ServerState:
         self.in_flight = 0
         self.draining = False
         self.metrics = ServerMetrics(llm, lambda: self.in_flight)
-        self.voices: list[str] = sorted(getattr(llm.pipeline, "voices", None) or {})
+        self.voices: list[str] = sorted(llm.pipeline.voices)
         self.output_modalities: list[str] = list(llm.pipeline.output_modalities)
         self.first_stage = llm.stage_names[0]
-        self.max_model_len = llm.pipeline.engines[self.first_stage].config.max_model_len
+        # (not an engine's: a stage may run in a process of its own)
+        self.max_model_len = llm.pipeline.max_model_len
         # the stage whose tokens are codec codes: the one before the audio stage
         names = llm.stage_names
         self.codec_stage = names[-2] if "audio" in self.output_modalities and len(names) > 2 \

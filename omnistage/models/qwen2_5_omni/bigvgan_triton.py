@@ -17,13 +17,12 @@ Both accumulate in fp32 (inputs fp32, bf16 or fp16; the output has x's dtype).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if knobs.runtime.interpret:
     _math = tl  # the CPU interpreter implements tl.sin/tl.exp, not libdevice
 else:
     # the precise libdevice sinf/expf (as torch's CUDA kernels), not the MUFU approximations

@@ -21,17 +21,15 @@ norms, modulation, rotary, activations and residuals fuse around the GEMMs and a
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from .code2wav_options import DIT_ATTENTIONS as ATTENTIONS
 from .token2wav_dit import Qwen2_5OmniToken2WavDiT, qwen2_5_omni_dit_attention_mask
 
-DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}
-ATTENTIONS = ("block", "sdpa")  # the Triton block kernel; torch SDPA over a dense [W, W] mask
 
 
 @functools.cache
@@ -74,7 +72,7 @@ class Qwen2_5OmniFastDiT:
                  num_steps: int = 10, guidance_scale: float = 0.5,
                  sway_coefficient: float | None = -1.0, attention: str | None = None) -> None:
         """attention: "block" (the Triton kernel: CUDA, or CPU under TRITON_INTERPRET=1) or
-        "sdpa"; None = "block" on CUDA (unless OMNISTAGE_DIT_ATTENTION=sdpa), else "sdpa"."""
+        "sdpa"; None = "block" on CUDA where triton is usable, else "sdpa"."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dit_dtype: float32, bfloat16 or float16, got {dtype}")
         if int(num_steps) < 2:
@@ -88,9 +86,7 @@ class Qwen2_5OmniFastDiT:
         kernels = _block_kernels() if attention != "sdpa" else None
         usable = kernels is not None and kernels.supported(spec.head_dim)
         if attention is None:
-            attention = ("block" if p.is_cuda and usable
-                         and os.environ.get("OMNISTAGE_DIT_ATTENTION", "block") != "sdpa"
-                         else "sdpa")
+            attention = "block" if p.is_cuda and usable else "sdpa"
         if attention not in ATTENTIONS:
             raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
         if attention == "block" and not usable:

@@ -20,20 +20,17 @@ On the CPU the same padding code runs, with no graphs (batch padding only when a
 
 from __future__ import annotations
 
-import os
-import time
-import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from omnistage.engine.ar.cuda_graphs import green_context_stream, private_stream
+from omnistage.engine.gen.graphs import BUCKETS, GraphCache, SegmentGraph, bucket_for
 
-from .code2wav_fast import DTYPES, DiTState, Qwen2_5OmniFastDiT
+from .code2wav_fast import DiTState, Qwen2_5OmniFastDiT
+from .code2wav_options import DIT_DTYPES, VOCODER_DTYPES
 from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               Qwen2_5OmniCode2WavChunk, Qwen2_5OmniCode2WavSpan,
                               Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig,
@@ -41,25 +38,16 @@ from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
 from .token2wav import Qwen2_5OmniToken2Wav
 from .voices import MAX_VOICES
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
+__all__ = ["BUCKETS", "DecodeJob", "Qwen2_5OmniCode2WavDecoder", "bucket_for",
+           "vocoder_lengths", "window_widths"]
+
 # windows wider than this (e.g. whole-utterance windows) are not padded; 672 = 28 blocks holds a
 # 24-block chunk's window (past 2 + 24 + future 1)
 MAX_GRAPH_FRAMES = 672
 DIT_INPUTS = ("noise", "codes", "spk", "cond", "start", "nvalid")  # FastDiT.sample's first
-# the smallest DiT batch that runs on the green context beside other stages (H100, c1: RTF
-# 0.123 with batch-1 steps beside the talker on 100 SMs vs 0.121 on all 132; c8 39.5 vs 37.4
-# audio-s/s with batch-8 steps beside it)
+# the smallest DiT batch that runs on the green context beside other stages (measured:
+# benchmarks/results/qwen2_5_omni_pipeline_gpu_h100_free_sms32_later_shapes_2026-11-23.json)
 BESIDE_MIN_BUCKET = 8
-VOCODER_DTYPES = {"float32": torch.float32, "float16": torch.float16,
-                  "bfloat16": torch.bfloat16}
-
-
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (n <= max(buckets))."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"batch: {n} rows exceed the largest bucket {max(buckets)}")
 
 
 def first_window_width(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
@@ -100,20 +88,6 @@ def _matmul_tf32(on: bool):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-class _Graph:
-    """One captured callable with its static input buffers and output; a DiT graph is one
-    graph per RK4 interval (segments), its ODE state kept in state between them."""
-
-    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
-        self.inputs, self.graph, self.output = inputs, None, None
-        self.segments: list[torch.cuda.CUDAGraph] = []
-        self.state: DiTState | None = None
-
-    def replay(self) -> None:
-        for graph in self.segments or [self.graph]:
-            graph.replay()
-
-
 @dataclass
 class DecodeJob:
     """A decode run in parts (Qwen2_5OmniCode2WavDecoder.begin_job / advance / finish): the
@@ -123,7 +97,7 @@ class DecodeJob:
     config: Qwen2_5OmniCode2WavStreamConfig
     spans: list[Qwen2_5OmniCode2WavSpan]
     key: tuple[int, int, bool]  # (bucket, width, beside) of its DiT
-    graph: _Graph | None  # graphed: the DiT graph holding the state
+    graph: SegmentGraph | None  # graphed: the DiT graph holding the state
     state: DiTState | None = None  # eager: the ODE state
     done: int = 0  # RK4 intervals run
 
@@ -133,16 +107,14 @@ class Qwen2_5OmniCode2WavDecoder:
 
     dit_dtype: "float32" (default; equals the module path), "tf32" (float32 weights, TF32
     matmuls) or "bfloat16" (a bf16 copy of the DiT's GEMM weights; the ODE state stays fp32).
-    cuda_graphs: None = on for CUDA unless OMNISTAGE_CUDA_GRAPHS=0. pad_batch: None = with graphs.
-    compile: torch.compile the DiT inside the graphs; None = with graphs unless
-    OMNISTAGE_CODE2WAV_COMPILE=0 (the CPU path and ungraphed shapes stay eager).
+    cuda_graphs: None = on for CUDA. pad_batch: None = with graphs.
+    compile: torch.compile the DiT inside the graphs; None = with graphs (the CPU path and
+    ungraphed shapes stay eager).
     dit_attention: "block" (Triton) or "sdpa"; None = Qwen2_5OmniFastDiT's default.
     vocoder_dtype: BigVGAN's convs in "float32" (default; cuDNN's TF32 on CUDA), or "float16" /
-    "bfloat16" (CUDA: autocast; the weights stay float32, the waveform comes back float32);
-    None = $OMNISTAGE_CODE2WAV_VOCODER_DTYPE or float32.
+    "bfloat16" (CUDA: autocast; the weights stay float32, the waveform comes back float32).
     free_sms: SMs that a decode `beside` other stages' work leaves to them (the AR stages'
-    decode steps); 0 = off; "auto" = a quarter of the GPU's, in multiples of 8 (H100: 32; 0
-    with a warning where green contexts are missing); None = $OMNISTAGE_CODE2WAV_FREE_SMS or 0.
+    decode steps); 0 (default) = off; "auto" = a quarter of the GPU's (GraphCache).
 
     NOTE (free_sms): such a decode's DiT runs graphs of its own, captured on a CUDA green
     context's stream, which binds their kernels to the other SMs wherever they replay (a
@@ -150,10 +122,8 @@ class Qwen2_5OmniCode2WavDecoder:
     (BigVGAN's cuDNN convs launch thread-block clusters that an SM subset cannot hold: "cluster
     misconfiguration" at capture, H100). Why: the DiT's big GEMMs fill every SM for their
     whole run, so a decode kernel beside them waits for each one, however high its stream's
-    priority (benchmarks/green_context_gpu.py, H100: a talker-sized probe step of 1.1 ms took
-    15.9 ms beside big GEMMs; with 16 / 32 / 48 SMs left free, 6.5 / 2.3 / 1.8 ms, the GEMMs
-    ~10% / ~25% / ~30% slower). Alone, the DiT wants every SM: the caller says which case a
-    decode is.
+    priority (measured: benchmarks/results/green_context_gpu_h100_2026-11-23.json). Alone, the
+    DiT wants every SM: the caller says which case a decode is.
     """
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, dit_dtype: str | torch.dtype | None = None,
@@ -163,93 +133,56 @@ class Qwen2_5OmniCode2WavDecoder:
                  vocoder_dtype: str | None = None, free_sms: int | str | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device = model, p.device
-        dit_dtype = dit_dtype or os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE", "float32")
-        names = {v: k for k, v in DTYPES.items() if k != "tf32"}
+        dit_dtype = dit_dtype or "float32"
+        names = {v: k for k, v in DIT_DTYPES.items() if k != "tf32"}
         self.dtype_name = names.get(dit_dtype, dit_dtype) if isinstance(
             dit_dtype, torch.dtype) else str(dit_dtype)
-        if self.dtype_name not in DTYPES:
-            raise ValueError(f"dit_dtype: one of {sorted(DTYPES)}, got {dit_dtype!r}")
+        if self.dtype_name not in DIT_DTYPES:
+            raise ValueError(f"dit_dtype: one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
         if self.dtype_name != "float32" and self.device.type != "cuda":
             raise ValueError(f"dit_dtype: {self.dtype_name} needs a CUDA model")
-        if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
-            raise ValueError(f"buckets: increasing positive ints, got {buckets!r}")
         if cuda_graphs is None:
-            cuda_graphs = (self.device.type == "cuda"
-                           and os.environ.get("OMNISTAGE_CUDA_GRAPHS", "1") != "0")
+            cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs: needs a CUDA model")
-        self.use_graphs, self.buckets = bool(cuda_graphs), tuple(buckets)
         if compile is None:
-            compile = self.use_graphs and os.environ.get("OMNISTAGE_CODE2WAV_COMPILE", "1") != "0"
-        if compile and not self.use_graphs:
+            compile = bool(cuda_graphs)
+        if compile and not cuda_graphs:
             raise ValueError("compile: compiles the CUDA-graphed shapes; needs cuda_graphs")
-        self.compile = bool(compile)
-        self.pad_batch = self.use_graphs if pad_batch is None else bool(pad_batch)
-        self.max_graph_frames = int(max_graph_frames)
-        self.fast = Qwen2_5OmniFastDiT(model.code2wav_dit_model, DTYPES[self.dtype_name],
-                                       ODE_STEPS, GUIDANCE_SCALE, SWAY_COEFFICIENT,
-                                       dit_attention)
-        self.tf32 = self.dtype_name == "tf32"
-        voc_dtype = vocoder_dtype or os.environ.get("OMNISTAGE_CODE2WAV_VOCODER_DTYPE", "float32")
+        voc_dtype = vocoder_dtype or "float32"
         if voc_dtype not in VOCODER_DTYPES:
             raise ValueError(f"vocoder_dtype: one of {sorted(VOCODER_DTYPES)}, got {voc_dtype!r}")
         if voc_dtype != "float32" and self.device.type != "cuda":
             raise ValueError(f"vocoder_dtype: {voc_dtype} needs a CUDA model")
+        # the engine's graph services: pool, private capture streams, green context, held shapes
+        self.graphs = GraphCache(self.device, bool(cuda_graphs), tuple(buckets),
+                                 0 if free_sms is None else free_sms, BESIDE_MIN_BUCKET,
+                                 name="code2wav")
+        self.compile = bool(compile)
+        self.pad_batch = self.use_graphs if pad_batch is None else bool(pad_batch)
+        self.max_graph_frames = int(max_graph_frames)
+        self.fast = Qwen2_5OmniFastDiT(model.code2wav_dit_model, DIT_DTYPES[self.dtype_name],
+                                       ODE_STEPS, GUIDANCE_SCALE, SWAY_COEFFICIENT,
+                                       dit_attention)
+        self.tf32 = self.dtype_name == "tf32"
         self.vocoder_dtype = voc_dtype
         self.spec, self.block = model.spec, model.spec.block_size
         # voice memory -> (its ref_mel, speaker encodings): see speaker()
         self.speakers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (bucket, width, beside) -> graph; beside: on the SMs free_sms leaves (see NOTE)
-        self.dit_graphs: dict[tuple[int, int, bool], _Graph] = {}
-        self._live: dict[tuple[int, int, bool], DecodeJob] = {}  # graphed DiT shapes held by jobs
-        self.voc_graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # captures and their warm-up runs: streams of this decoder's own (private_stream)
-        self.capture_stream = private_stream(self.device) if self.use_graphs else None
-        self.warm_stream = private_stream(self.device) if self.use_graphs else None
-        self.green_context, self.beside_capture_stream = None, self.capture_stream
-        self.free_sms = 0
-        if free_sms is None:
-            self._leave_sms(os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS", "0"),
-                            "OMNISTAGE_CODE2WAV_FREE_SMS")
-        else:
-            self._leave_sms(free_sms, "free_sms")
-        self.capture_seconds = self.warmup_seconds = self.compile_seconds = 0.0
-        self.graph_bytes: dict[tuple[str, int, int], int] = {}  # pool growth per capture
+        self.dit_graphs: dict[tuple[int, int, bool], SegmentGraph] = {}
+        self.voc_graphs: dict[tuple[int, int], SegmentGraph] = {}
 
-    def _leave_sms(self, value: int | str, name: str) -> None:
-        """Validate free_sms and make the green context of the decodes beside other stages."""
-        auto = value == "auto"
-        if auto:
-            if not self.use_graphs:
-                return
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            value = sms // 4 // 8 * 8
-        elif isinstance(value, str) and name != "free_sms":  # from the environment
-            if not value.isdigit():
-                raise ValueError(f"{name}: an int >= 0 or 'auto', got {value!r}")
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name}: an int >= 0 or 'auto', got {value!r}")
-        if not value:
-            return
-        if not self.use_graphs:
-            raise ValueError(f"{name}: leaving SMs free needs CUDA graphs (a CUDA model)")
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        if value > sms - 16:
-            raise ValueError(f"{name}: {value} of this GPU's {sms} SMs; at most {sms - 16} "
-                             "(the DiT keeps 16 or more)")
-        try:
-            self.green_context, self.beside_capture_stream = green_context_stream(
-                self.device, sms - value)
-        except (ValueError, RuntimeError) as exc:
-            if not auto:
-                raise ValueError(f"{name}: no green context on this GPU ({exc})") from exc
-            warnings.warn(f"code2wav: free_sms='auto' needs CUDA green contexts ({exc}); the "
-                          "DiT keeps every SM", stacklevel=3)
-            return
-        self.free_sms = value
+    # the graph services' state, by the names the decoder has always shown
+    use_graphs = property(lambda self: self.graphs.enabled)
+    buckets = property(lambda self: self.graphs.buckets)
+    pool = property(lambda self: self.graphs.pool)
+    capture_stream = property(lambda self: self.graphs.capture_stream)
+    beside_capture_stream = property(lambda self: self.graphs.beside_capture_stream)
+    green_context = property(lambda self: self.graphs.green_context)
+    free_sms = property(lambda self: self.graphs.free_sms)
+    _live = property(lambda self: self.graphs.held)  # graphed DiT shapes held by jobs
 
     # ------------------------------------------------------------------ host-side planning
     def plan(self, widths_needed: list[int], config: Qwen2_5OmniCode2WavStreamConfig
@@ -266,7 +199,7 @@ class Qwen2_5OmniCode2WavDecoder:
             idx = list(range(i, min(i + top, len(widths_needed))))
             need = max(widths_needed[j] for j in idx)
             width = next((w for w in fixed if w >= need), -(-need // self.block) * self.block)
-            bucket = bucket_for(len(idx), self.buckets) if self.pad_batch else len(idx)
+            bucket = self.graphs.bucket(len(idx)) if self.pad_batch else len(idx)
             out.append((idx, bucket, width))
         return out
 
@@ -275,7 +208,7 @@ class Qwen2_5OmniCode2WavDecoder:
 
         NOTE: keyed by the ref_mel's memory (address, shape, strides; voices are read-only), the
         tensor held in the entry so that its memory cannot be reused meanwhile: streams of one
-        voice share the stage's device copy of it (Qwen2_5OmniCode2WavStage.submit), so a voice
+        voice share the stage's device copy of it (Qwen2_5OmniCode2WavModel.new_state), so a voice
         costs its two ECAPA-TDNN runs (~90 small eager kernels each) once, not on every
         request's first-chunk step.
         """
@@ -341,52 +274,27 @@ class Qwen2_5OmniCode2WavDecoder:
             return self.fast.sample(*(buf[k] for k in DIT_INPUTS), compiled)
 
     # ------------------------------------------------------------------ graphs
-    def _capture(self, fn: Callable[[], torch.Tensor], key: tuple[str, int, int],
-                 beside: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        t0 = time.perf_counter()
-        side = self.warm_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        # warm-up: library handles, workspaces, autotuning (compiled code: compiled already)
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        self.warmup_seconds += time.perf_counter() - t0
-        reserved = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other stages' threads may use the GPU while this one captures
-        # own capture stream: its cuBLAS workspace is this decoder's alone (cuda_graphs.py)
-        stream = self.beside_capture_stream if beside else self.capture_stream
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                              capture_error_mode="thread_local"):
-            out = fn()
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds += time.perf_counter() - t0
-        self.graph_bytes[key] = (self.graph_bytes.get(key, 0)
-                                 + torch.cuda.memory_reserved(self.device) - reserved)
-        return graph, out
-
-    def dit_graph(self, bucket: int, width: int, beside: bool = False) -> _Graph:
+    def dit_graph(self, bucket: int, width: int, beside: bool = False) -> SegmentGraph:
         """The DiT graph of (bucket, width), captured on first use (beside: the one on the SMs
         that free_sms leaves; the same as beside=False when free_sms is 0)."""
         key = self._key(bucket, width, beside)
         g = self.dit_graphs.get(key)
         if g is None:
-            g = _Graph(self.new_dit_inputs(bucket, width))
+            g = SegmentGraph(self.new_dit_inputs(bucket, width))
             if self.compile:
                 self._compile_or_fall_back(g.inputs)
             # one graph per RK4 interval (the first also prepares the window): a step can run
             # in parts with other graphs between them (begin_job); back to back they cost the
-            # same as one graph (H100, batch 32 x 360 frames: 654.5 vs 651.6 ms)
+            # same as one graph (measured: benchmarks/results/code2wav_gpu_h100_overlap_*.json)
             for i in range(len(self.fast.widths)):
-                graph, _ = self._capture(lambda i=i: self._dit_interval(g, i),
-                                         ("dit", bucket, width), key[2])
+                graph, _ = self.graphs.capture(lambda i=i: self._dit_interval(g, i),
+                                               ("dit", bucket, width), key[2])
                 g.segments.append(graph)
             g.output = g.state.x
             self.dit_graphs[key] = g
         return g
 
-    def _dit_interval(self, g: _Graph, i: int) -> torch.Tensor:
+    def _dit_interval(self, g: SegmentGraph, i: int) -> torch.Tensor:
         # interval i of g's ODE; the first begins it (its captured run leaves g.state in the
         # graph pool, where the later intervals' graphs read and write it)
         with _matmul_tf32(self.tf32):
@@ -395,27 +303,21 @@ class Qwen2_5OmniCode2WavDecoder:
             return self.fast.interval(g.state, i, self.compile)
 
     def _compile_or_fall_back(self, inputs: dict[str, torch.Tensor]) -> None:
-        # compile this shape before the capture; a machine where inductor cannot build (no C
-        # compiler, old Triton) keeps working on uncompiled graphs, with a warning
-        t0 = time.perf_counter()
-        try:
-            self._dit(inputs, True)
-        except Exception as exc:  # noqa: BLE001 - any compile failure: eager graphs instead
-            warnings.warn(f"code2wav: torch.compile of the DiT failed, graphs stay uncompiled "
-                          f"({type(exc).__name__}: {str(exc)[:300]})", stacklevel=3)
+        # compile this shape before the capture; where inductor cannot build, the graphs stay
+        # uncompiled (GraphCache.compile_or_fall_back warns)
+        if not self.graphs.compile_or_fall_back(lambda: self._dit(inputs, True), "the DiT"):
             self.compile = False
-        torch.cuda.synchronize(self.device)
-        self.compile_seconds += time.perf_counter() - t0
 
-    def voc_graph(self, bucket: int, length: int) -> _Graph:
+    def voc_graph(self, bucket: int, length: int) -> SegmentGraph:
         g = self.voc_graphs.get((bucket, length))
         if g is None:
             p = next(self.model.code2wav_bigvgan_model.parameters())
             mel = torch.zeros(bucket, self.spec.mel_dim, length, device=self.device,
                               dtype=p.dtype)
-            g = _Graph({"mel": mel})
-            g.graph, g.output = self._capture(lambda: self._vocoder(g.inputs["mel"]),
-                                              ("vocoder", bucket, length))
+            g = SegmentGraph({"mel": mel})
+            graph, g.output = self.graphs.capture(lambda: self._vocoder(g.inputs["mel"]),
+                                                  ("vocoder", bucket, length))
+            g.segments.append(graph)
             self.voc_graphs[(bucket, length)] = g
         return g
 
@@ -430,7 +332,7 @@ class Qwen2_5OmniCode2WavDecoder:
             part = [rows[i] for i in idx]
             if self.use_graphs and width <= self.max_graph_frames:
                 g = self.dit_graph(bucket, width, beside)
-                self._claim(self._key(bucket, width, beside), None)
+                self.graphs.claim(self._key(bucket, width, beside), None)
                 self.fill_dit_inputs(g.inputs, part)
                 g.replay()
                 out = g.output
@@ -466,10 +368,10 @@ class Qwen2_5OmniCode2WavDecoder:
                 ins = [mels[i][spans[i].vocoder[0] - spans[i].window[0]:
                                spans[i].vocoder[1] - spans[i].window[0]].T for i in part]
                 if length in graphed:
-                    g = self.voc_graph(bucket_for(len(part), self.buckets), length)
+                    g = self.voc_graph(self.graphs.bucket(len(part)), length)
                     for j, m in enumerate(ins):
                         g.inputs["mel"][j].copy_(m)
-                    g.graph.replay()
+                    g.replay()
                     out = g.output
                 else:
                     out = self._vocoder(torch.stack(ins).to(p.dtype))
@@ -513,7 +415,7 @@ class Qwen2_5OmniCode2WavDecoder:
             if self.use_graphs and width <= self.max_graph_frames:
                 g = self.dit_graph(bucket, width, beside)
                 job = DecodeJob(rows, config, spans, self._key(bucket, width, beside), g)
-                self._claim(job.key, job)
+                self.graphs.claim(job.key, job)
                 self.fill_dit_inputs(g.inputs, rows)
                 return job
             buf = self.new_dit_inputs(bucket, width)
@@ -545,7 +447,7 @@ class Qwen2_5OmniCode2WavDecoder:
             x = job.graph.state.x if job.graph is not None else job.state.x
             mels = [x[j, :w1 - w0].clone() for j, (w0, w1) in
                     enumerate(sp.window for sp in job.spans)]
-            self._live.pop(job.key, None)
+            self.graphs.release(job.key)
             wavs = self.vocode(job.spans, mels, job.config)
         return assemble_chunks(self.model, job.requests, job.spans, mels, wavs)
 
@@ -557,24 +459,16 @@ class Qwen2_5OmniCode2WavDecoder:
             return False
         config = requests[0][0].config
         widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in requests)]
-        return any(self._key(bucket, width, beside) in self._live
+        return any(self.graphs.is_held(self._key(bucket, width, beside))
                    for _, bucket, width in self.plan(widths, config))
 
     def drop_jobs(self) -> None:
         """Forget unfinished jobs (their stage failed): their DiT shapes serve decodes again."""
-        self._live.clear()
+        self.graphs.drop_held()
 
     def _key(self, bucket: int, width: int, beside: bool) -> tuple[int, int, bool]:
         # below BESIDE_MIN_BUCKET the DiT's small kernels leave SMs idle anyway: every SM
-        return bucket, width, beside and self.free_sms > 0 and bucket >= BESIDE_MIN_BUCKET
-
-    def _claim(self, key: tuple[int, int, bool], job: DecodeJob | None) -> None:
-        # a graphed DiT shape serves one decode at a time: an unfinished job's state lives in it
-        if key in self._live:
-            raise ValueError(f"requests: DiT shape (batch {key[0]}, {key[1]} frames) is held by "
-                             f"an unfinished job")
-        if job is not None:
-            self._live[key] = job
+        return self.graphs.key(bucket, width, beside)
 
     @staticmethod
     def _one_config(requests: list[tuple[Qwen2_5OmniCode2WavStream, int]]
@@ -602,18 +496,13 @@ class Qwen2_5OmniCode2WavDecoder:
         for b in buckets or self.buckets:
             for w in window_widths(config, self.block):
                 if w <= self.max_graph_frames:
-                    self.dit_graph(bucket_for(b, self.buckets), w)
+                    self.dit_graph(self.graphs.bucket(b), w)
                     if w != first_window_width(config, self.block):  # later chunks' widths
-                        self.dit_graph(bucket_for(b, self.buckets), w, beside=True)
+                        self.dit_graph(self.graphs.bucket(b), w, beside=True)
             for length in vocoder_lengths(config, self.block):
-                self.voc_graph(bucket_for(b, self.buckets), length)
+                self.voc_graph(self.graphs.bucket(b), length)
 
     def stats(self) -> dict[str, float]:
-        """Graph counts; seconds compiling (each shape's first compiled run), capturing (the
-        warm-up run included) and warming up; graph pool memory (GiB) grown by the captures."""
+        """Graph counts and the graph services' times and pool memory (GraphCache.stats)."""
         return {"dit_graphs": len(self.dit_graphs), "vocoder_graphs": len(self.voc_graphs),
-                "free_sms": self.free_sms,
-                "compiled": self.compile, "compile_seconds": round(self.compile_seconds, 3),
-                "capture_seconds": round(self.capture_seconds, 3),
-                "warmup_seconds": round(self.warmup_seconds, 3),
-                "graph_pool_GiB": round(sum(self.graph_bytes.values()) / 2**30, 3)}
+                "compiled": self.compile, **self.graphs.stats()}

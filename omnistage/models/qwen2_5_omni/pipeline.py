@@ -6,7 +6,6 @@ seeds) and wires its routes: thinker rows -> the talker's adapter, talker codes 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -15,22 +14,21 @@ from omnistage.checkpoint import eos_token_ids, iter_tensors, load_generation_co
 from omnistage.config.schema import PipelineConfig, StageConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.entrypoints.lm_pipeline import (build_model, generation_defaults, new_request_id,
-                                               resolve_seed, stage_engine_config)
-from omnistage.entrypoints.options import resolve_device, resolve_dtype
-from omnistage.models.qwen2_5_omni.code2wav_graphs import VOCODER_DTYPES
-from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_5OmniCode2WavStage
-from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
+from omnistage.models.qwen2_5_omni.code2wav_options import pop_code2wav_options
+from omnistage.engine.gen import GenStageWorker
+from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, build_code2wav_stage
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerForCausalLM,
                                                   talker_default_params, talker_sequence,
                                                   talker_token_ids)
 from omnistage.models.qwen2_5_omni.thinker import (Qwen2_5OmniThinkerForCausalLM,
                                                    thinker_sequence)
-from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.qwen2_5_omni.voices import load_voices
-from omnistage.models.registry import ADAPTER_REGISTRY
+from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
 from omnistage.outputs import OmniRequestOutput
+from omnistage.runtime.build import (StageContext, build_model, build_stage_worker,
+                                     generation_defaults, new_request_id, resolve_device,
+                                     resolve_dtype, resolve_seed, stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import StageProcessSpec, pop_stage_worker, stage_process_spec
 from omnistage.runtime.stage import ARStageWorker, StageLink
@@ -40,16 +38,76 @@ SAMPLE_RATE = 24000
 DEFAULT_VOICE = "Chelsie"
 
 
-def _role(cfg: PipelineConfig, model: str) -> StageConfig | None:
-    return next((s for s in cfg.stages if s.model == model), None)
+def _roles(cfg: PipelineConfig) -> dict[str, StageConfig | None]:
+    """The stages by their part, read off the YAML's outputs and inputs: the thinker gives
+    text, code2wav gives audio, the talker feeds code2wav."""
+    thinker = next((s for s in cfg.stages if s.output == "text"), None)
+    code2wav = next((s for s in cfg.stages if s.output == "audio"), None)
+    talker = None
+    if code2wav is not None and code2wav.inputs:
+        talker = cfg.stage(code2wav.inputs[0].upstream)
+    return {"thinker": thinker, "talker": talker, "code2wav": code2wav}
 
 
-def _prefix(stage: StageConfig, default: str) -> str:
-    return default if stage.checkpoint_prefix is None else stage.checkpoint_prefix
+def _kv_fraction(ctx: StageContext, fraction: float) -> dict[str, Any]:
+    """The AR engine options; on CUDA, unless sized by the user, KV takes `fraction` of the
+    free memory. NOTE: stages share one GPU: the thinker (built first) takes 45% for KV, the
+    talker half of what is left, and the rest stays for code2wav and graphs."""
+    opts = dict(ctx.options["engine"])
+    sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
+    if ctx.device.type == "cuda" \
+            and not sized & {k for k, v in opts.items() if v is not None} \
+            and not sized & {k for k, v in ctx.stage.engine.model_dump().items() if v is not None}:
+        opts["kv_cache_memory_fraction"] = fraction
+    return opts
 
 
+@register_stage("Qwen2_5OmniThinker", "ar")
+def build_thinker(ctx: StageContext) -> ARStageWorker:
+    model_cfg = ctx.config["thinker_config"]
+    tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(ctx.path).tokenizer
+    gen_cfg = load_generation_config(ctx.path)
+    model = build_model(Qwen2_5OmniThinkerForCausalLM, model_cfg,
+                        iter_tensors(ctx.path, ctx.prefix("thinker.")), ctx.device, ctx.dtype)
+    cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
+                              _kv_fraction(ctx, 0.45), ctx.stage.engine)
+    engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
+                      eos_token_ids(gen_cfg, ctx.config, None))
+    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
+    # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
+    return ARStageWorker(ctx.name, engine, priority=-2)
+
+
+@register_stage("Qwen2_5OmniTalker", "ar")
+def build_talker(ctx: StageContext) -> ARStageWorker:
+    model_cfg = ctx.config["talker_config"]
+    model = build_model(Qwen2_5OmniTalkerForCausalLM, model_cfg,
+                        iter_tensors(ctx.path, ctx.prefix("talker.")), ctx.device, ctx.dtype)
+    cfg = stage_engine_config(model_cfg.get("max_position_embeddings", 32768),
+                              _kv_fraction(ctx, 0.5), ctx.stage.engine)
+    engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
+    params = talker_default_params(talker_token_ids(model_cfg)[0])
+    # decode steps add the thinker's rows (of the talker's embedding width)
+    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(params)],
+                                model_cfg["embedding_size"])
+    return ARStageWorker(ctx.name, engine, priority=-1)
+
+
+@register_stage("Qwen2_5OmniToken2Wav", "gen", sample_rate=SAMPLE_RATE)
+def build_code2wav(ctx: StageContext) -> GenStageWorker:
+    return build_code2wav_stage(ctx.path, ctx.config, ctx.stage, ctx.name, ctx.device, ctx.dtype,
+                                *ctx.options["code2wav"])
+
+
+@register_pipeline("qwen2_5_omni")
 class Qwen2_5OmniPipeline:
-    builtin = "qwen2_5_omni"
+    ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel")
+
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        archs = config.get("architectures") or []
+        return any(a in cls.ARCHITECTURES for a in archs) or (
+            "thinker_config" in config and "token2wav_config" in config)
 
     def __init__(self, path, config: dict, pipeline: PipelineConfig, device: torch.device,
                  dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
@@ -61,19 +119,17 @@ class Qwen2_5OmniPipeline:
         options = self._check_options(engine_options)
         self.talker_handoff = options["talker_handoff"]
         self.config = pipeline
-        self.roles = {role: _role(pipeline, model) for role, model in (
-            ("thinker", "Qwen2_5OmniThinker"), ("talker", "Qwen2_5OmniTalker"),
-            ("code2wav", "Qwen2_5OmniToken2Wav"))}
+        self.roles = _roles(pipeline)
         st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
         if st is None:
-            raise ValueError("pipeline: a Qwen2.5-Omni pipeline needs a Qwen2_5OmniThinker stage")
+            raise ValueError("pipeline: a Qwen2.5-Omni pipeline needs a stage with output: text")
         self.processor = Qwen2_5OmniInputProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
         gen_cfg = load_generation_config(path)
         text_cfg = thinker_cfg["text_config"]
         self.thinker_vocab_size = text_cfg["vocab_size"]
         self.thinker_eos = eos_token_ids(gen_cfg, config, None)
-        self.thinker_max_len = stage_engine_config(
+        self.max_model_len = stage_engine_config(
             text_cfg.get("max_position_embeddings", 32768), options["engine"],
             st.engine).max_model_len
         self.default_params: dict[str, SamplingParams] = {
@@ -98,8 +154,8 @@ class Qwen2_5OmniPipeline:
                 self.process_stages[stage.name] = stage_process_spec(
                     path, config, pipeline, stage.name, dev, dt, options)
             else:
-                self.workers[stage.name] = self.build_stage(path, config, pipeline, stage.name,
-                                                            dev, dt, options)
+                self.workers[stage.name] = build_stage_worker(path, config, pipeline, stage.name,
+                                                              dev, dt, options)
 
     @classmethod
     def _check_options(cls, engine_options: dict[str, Any]) -> dict[str, Any]:
@@ -107,111 +163,13 @@ class Qwen2_5OmniPipeline:
         handoff = opts.pop("talker_handoff", "qwen")
         if handoff not in HANDOFFS:
             raise ValueError(f"talker_handoff: {handoff!r}; one of {HANDOFFS}")
-        # code2wav_window: None = one-shot per utterance, else a streaming window config;
-        # "auto" = 1-block chunks on CPU; on CUDA a 1-block first chunk, then 24-block chunks
-        window = opts.pop("code2wav_window", "auto")
-        if window not in (None, "auto") and \
-                not isinstance(window, Qwen2_5OmniCode2WavStreamConfig):
-            raise ValueError("code2wav_window: a Qwen2_5OmniCode2WavStreamConfig, None or 'auto'")
-        # the DiT's compute dtype; None = $OMNISTAGE_CODE2WAV_DIT_DTYPE, else bf16 on CUDA
-        # (measured on the H100 at 7B shapes: mel SNR 52.7 dB, waveform 75 dB against fp32)
-        dit_dtype = opts.pop("code2wav_dit_dtype", None)
-        if dit_dtype not in (None, "float32", "tf32", "bfloat16"):
-            raise ValueError(f"code2wav_dit_dtype: {dit_dtype!r}; one of float32, tf32, bfloat16")
-        # BigVGAN's conv dtype; None = $OMNISTAGE_CODE2WAV_VOCODER_DTYPE, else fp16 on CUDA
-        # (H100, 7B shapes, batch 32: 103 vs 133 ms with TF32, waveform SNR 60.7 dB vs 64.4 dB
-        # for TF32, against strict fp32; bf16: 43 dB at the same speed)
-        vocoder_dtype = opts.pop("code2wav_vocoder_dtype", None)
-        if vocoder_dtype is not None and vocoder_dtype not in VOCODER_DTYPES:
-            raise ValueError(f"code2wav_vocoder_dtype: {vocoder_dtype!r}; one of "
-                             f"{', '.join(VOCODER_DTYPES)}")
-        # SMs a later-chunk DiT step leaves to the talker beside it (a CUDA green context);
-        # None = $OMNISTAGE_CODE2WAV_FREE_SMS, else "auto" on CUDA (H100: 32 of 132). NOTE: H100,
-        # 7B shapes: c32 73.0-74.6 audio-s/s (70.7-71.3 without), c64 81.1-84.0 (80.8-81.2),
-        # the talker's busy time at c64 7.4 s (9.6-10.1 s: it no longer stalls behind the DiT's
-        # GEMMs); the second graph per shape of batch >= 8 adds ~15 s of capture at load
-        free_sms = opts.pop("code2wav_free_sms", None)
-        if free_sms is not None and free_sms != "auto" and (
-                not isinstance(free_sms, int) or isinstance(free_sms, bool) or free_sms < 0):
-            raise ValueError(f"code2wav_free_sms: {free_sms!r}; an int >= 0 or 'auto'")
-        warmup = opts.pop("code2wav_warmup", None)  # None = capture code2wav's graphs on CUDA
-        if warmup not in (None, True, False):
-            raise ValueError(f"code2wav_warmup: {warmup!r}; true or false")
+        # code2wav_*: the code2wav stage's engine and model options (code2wav_options.py)
+        code2wav = pop_code2wav_options(opts)
         worker = pop_stage_worker(opts)
-        return {"talker_handoff": handoff, "code2wav_window": window, "stage_worker": worker,
-                "code2wav_dit_dtype": dit_dtype, "code2wav_vocoder_dtype": vocoder_dtype,
-                "code2wav_free_sms": free_sms, "code2wav_warmup": warmup, "engine": opts}
+        return {"talker_handoff": handoff, "code2wav": code2wav, "stage_worker": worker,
+                "engine": opts}
 
-    @classmethod
-    def build_stage(cls, path, config: dict, pipeline: PipelineConfig, name: str,
-                    device: torch.device, dtype: torch.dtype, options: dict[str, Any]):
-        """One stage's model and worker (in this process; a stage process calls it too)."""
-        stage = pipeline.stage(name)
-        if stage.model == "Qwen2_5OmniToken2Wav":
-            with torch.device(device):
-                token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
-            token2wav.load_state_dict(dict(iter_tensors(path, _prefix(stage, "token2wav."))),
-                                      strict=True)
-            token2wav.to(dtype if stage.dtype != "auto" else torch.float32).eval()
-            cuda = device.type == "cuda"
-            window = options["code2wav_window"]
-            if window == "auto":
-                # NOTE: H100 at 7B shapes, 24- vs 12-block chunks after the first (1 block):
-                # the DiT runs 27 blocks per 24 new ones instead of 15 per 12 (10% less work);
-                # overlap would not hide it: beside a DiT graph the talker's kernels barely run
-                # (code2wav_gpu.py --sections overlap). c32 69.0 vs 62.0 audio-s/s in one A/B
-                # (65.3-69.2 over four runs at 24), c64 74-77 vs 66, c1 RTF 0.119 vs 0.124, TTFA
-                # about the same when requests arrive together; a request arriving while a
-                # batch-32 step runs waits for it (~1.8 s vs ~1.0 s: c32 arriving over 6 s,
-                # TTFA p50 0.67 s, max 1.73 s). 12 vs 6 blocks: c32 50.0 vs 45.6
-                window = Qwen2_5OmniCode2WavStreamConfig(
-                    chunk_blocks=24, first_chunk_blocks=1) if cuda \
-                    else Qwen2_5OmniCode2WavStreamConfig()
-            dit_dtype = options["code2wav_dit_dtype"]
-            if dit_dtype is None and cuda and not os.environ.get("OMNISTAGE_CODE2WAV_DIT_DTYPE"):
-                dit_dtype = "bfloat16"
-            vocoder_dtype = options["code2wav_vocoder_dtype"]
-            if vocoder_dtype is None and cuda \
-                    and not os.environ.get("OMNISTAGE_CODE2WAV_VOCODER_DTYPE"):
-                vocoder_dtype = "float16"
-            free_sms = options["code2wav_free_sms"]
-            if free_sms is None and cuda and not os.environ.get("OMNISTAGE_CODE2WAV_FREE_SMS"):
-                free_sms = "auto"
-            warmup = options["code2wav_warmup"]
-            return Qwen2_5OmniCode2WavStage(name, token2wav, device, window, dit_dtype=dit_dtype,
-                                            vocoder_dtype=vocoder_dtype, free_sms=free_sms,
-                                            warmup=cuda if warmup is None else warmup)
-        engine_opts = dict(options["engine"])
-        sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
-        if device.type == "cuda" \
-                and not sized & {k for k, v in engine_opts.items() if v is not None} \
-                and not sized & {k for k, v in stage.engine.model_dump().items() if v is not None}:
-            # NOTE: stages share one GPU: the thinker (built first) takes 45% of the free memory
-            # for KV, the talker half of what is left, and the rest stays for code2wav and graphs
-            engine_opts["kv_cache_memory_fraction"] = (
-                0.45 if stage.model == "Qwen2_5OmniThinker" else 0.5)
-        if stage.model == "Qwen2_5OmniThinker":
-            model_cfg, cls_, prefix = config["thinker_config"], Qwen2_5OmniThinkerForCausalLM, \
-                "thinker."
-            tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(path).tokenizer
-            gen_cfg = load_generation_config(path)
-            eos = eos_token_ids(gen_cfg, config, None)
-            max_len = model_cfg["text_config"].get("max_position_embeddings", 32768)
-            params, rows_width = generation_defaults(gen_cfg), None
-        else:
-            model_cfg, cls_, prefix = config["talker_config"], Qwen2_5OmniTalkerForCausalLM, \
-                "talker."
-            tokenizer, eos = None, set()
-            max_len = model_cfg.get("max_position_embeddings", 32768)
-            params = talker_default_params(talker_token_ids(model_cfg)[0])
-            rows_width = model_cfg["embedding_size"]  # decode steps add the thinker's rows
-        model = build_model(cls_, model_cfg, iter_tensors(path, _prefix(stage, prefix)), device,
-                            dtype)
-        cfg = stage_engine_config(max_len, engine_opts, stage.engine)
-        engine = AREngine(model, cfg, device, dtype, tokenizer, eos)
-        engine.runner.warmup_graphs([stage.default_sampling.apply(params)], rows_width)
-        # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
-        return ARStageWorker(name, engine, priority=-2 if rows_width is None else -1)
+    build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
 
     @staticmethod
     def _placement(stage: StageConfig, device, dtype) -> tuple[torch.device, torch.dtype]:
@@ -232,7 +190,7 @@ class Qwen2_5OmniPipeline:
         return self.workers[self.roles["talker"].name].engine.runner.model
 
     @property
-    def code2wav(self) -> Qwen2_5OmniCode2WavStage:
+    def code2wav(self) -> GenStageWorker:
         return self.workers[self.roles["code2wav"].name]
 
     @property
@@ -305,7 +263,7 @@ class Qwen2_5OmniPipeline:
             out.metrics.tokens_per_stage[talker] = len(stage.token_ids)
 
     def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index) -> Sequence:
-        max_prompt = self.thinker_max_len - 1
+        max_prompt = self.max_model_len - 1
         with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
         if not isinstance(with_av, bool):
             raise ValueError(f"{where}.use_audio_in_video: must be true or false, got {with_av!r}")

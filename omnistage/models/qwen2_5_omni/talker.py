@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.models.interface import ForwardBatch, merge_inputs
+from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
 from omnistage.models.layers import DecoderConfig, DecoderForCausalLM, DecoderModel
 from omnistage.models.registry import register_adapter, register_model
 from omnistage.sampling_params import SamplingParams

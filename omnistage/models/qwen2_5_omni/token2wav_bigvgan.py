@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import torch
@@ -62,28 +61,32 @@ def _triton_kernels() -> Any:
 
 
 def _triton_variant(x: torch.Tensor, act: Qwen2_5OmniSnakeBeta) -> str | None:
-    """The fused Triton kernel's variant for this call (None: the torch path). It serves CUDA
-    inference (it has no backward). OMNISTAGE_BIGVGAN_TRITON: 0 = off, recompute / gather =
-    that variant, else the default one; read per call (host only: CUDA-graph safe)."""
-    mode = os.environ.get("OMNISTAGE_BIGVGAN_TRITON", "1")
-    if not x.is_cuda or mode == "0" or (kernels := _triton_kernels()) is None:
+    """The fused Triton kernel's default variant for this call (None: the torch path). It
+    serves CUDA inference (it has no backward); host only: CUDA-graph safe."""
+    if not x.is_cuda or (kernels := _triton_kernels()) is None:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or act.alpha.requires_grad):
         return None
-    return mode if mode in kernels.VARIANTS else kernels.DEFAULT_VARIANT
+    return kernels.DEFAULT_VARIANT
 
 
 class Qwen2_5OmniAntiAliasedSnake(nn.Module):
-    """Snake at twice the sample rate: 2x upsample, activation, 2x downsample (12-tap filters)."""
+    """Snake at twice the sample rate: 2x upsample, activation, 2x downsample (12-tap filters).
+    triton: the fused kernel on CUDA: "auto" (its default variant), "off", or a variant."""
 
     def __init__(self, channels: int, taps: int = 12) -> None:
         super().__init__()
         self.act = Qwen2_5OmniSnakeBeta(channels)
         self.taps = taps
+        self.triton = "auto"
         self.register_buffer("filter", _kaiser_lowpass(0.25, 0.3, taps), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, L] -> [B, C, L]
-        variant = _triton_variant(x, self.act) if self.taps == 12 else None
+        variant = None
+        if self.taps == 12 and self.triton != "off":
+            variant = _triton_variant(x, self.act)
+            if variant is not None and self.triton != "auto":
+                variant = self.triton
         if variant is not None:
             return _triton_kernels().anti_aliased_snake(x, self.act.alpha, self.act.beta,
                                                         self.filter, variant)
@@ -144,6 +147,15 @@ class Qwen2_5OmniToken2WavBigVGAN(nn.Module):
             for i in range(len(rates)) for k, d in zip(res_kernels, res_dils, strict=True))
         self.activation_post = Qwen2_5OmniAntiAliasedSnake(ch >> len(rates))
         self.conv_post = nn.Conv1d(ch >> len(rates), 1, 7, padding=3, bias=False)
+
+    def set_triton(self, mode: str) -> None:
+        """Every anti-aliased Snake's fused kernel: "auto", "off", "recompute" or "gather"."""
+        if mode not in ("auto", "off", "recompute", "gather"):
+            raise ValueError(f"bigvgan_triton: 'auto', 'off', 'recompute' or 'gather', got "
+                             f"{mode!r}")
+        for m in self.modules():
+            if isinstance(m, Qwen2_5OmniAntiAliasedSnake):
+                m.triton = mode
 
     @staticmethod
     def normalize_mel(mel: torch.Tensor) -> torch.Tensor:

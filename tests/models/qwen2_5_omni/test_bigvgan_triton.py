@@ -47,16 +47,12 @@ def _snake_module(channels: int, seed: int) -> Qwen2_5OmniAntiAliasedSnake:
 
 
 def _torch_path(m: Qwen2_5OmniAntiAliasedSnake, x: torch.Tensor) -> torch.Tensor:
-    old = os.environ.get("OMNISTAGE_BIGVGAN_TRITON")
-    os.environ["OMNISTAGE_BIGVGAN_TRITON"] = "0"  # so that a CUDA run also compares to torch
+    old, m.triton = m.triton, "off"  # so that a CUDA run also compares to torch
     try:
         with torch.no_grad():
             return m(x)
     finally:
-        if old is None:
-            del os.environ["OMNISTAGE_BIGVGAN_TRITON"]
-        else:
-            os.environ["OMNISTAGE_BIGVGAN_TRITON"] = old
+        m.triton = old
 
 
 # (B, C, L, block): L = 1..5 hit both padded ends in one tile; small blocks cross tiles;
@@ -103,7 +99,7 @@ def test_input_checks() -> None:
 
 
 def test_cpu_dispatch_is_torch() -> None:
-    # the module's CPU path stays the torch one, whatever the environment says
+    # the module's CPU path stays the torch one, whatever its triton option says
     m = _snake_module(2, seed=0).cpu()
     assert token2wav_bigvgan._triton_variant(torch.zeros(1, 2, 4), m.act) is None
 
@@ -118,9 +114,10 @@ def test_vocoder_matches_torch_path(variant: str, monkeypatch: pytest.MonkeyPatc
                 p.normal_(0.0, 0.5)
         voc.conv_pre.weight.mul_(8)  # torch's init leaves the output nearly deaf to the mel
     mel = torch.randn(2, 80, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE) - 4
-    monkeypatch.setenv("OMNISTAGE_BIGVGAN_TRITON", "0")
+    voc.set_triton("off")
     with torch.no_grad():
         ref = voc(mel)
+    voc.set_triton("auto")
     assert ref.shape == (2, 3 * 240)
     assert ref.abs().max() > 0.05 and ref.abs().max() < 1.0  # non-trivial and unclipped
     # the module dispatch, forced onto the kernel (interpreted on the CPU)

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from omnistage.engine.gen import GenEngineConfig
 from omnistage.models.qwen2_5_omni.code2wav_fast import ode_times
 from omnistage.models.qwen2_5_omni.code2wav_graphs import (Qwen2_5OmniCode2WavDecoder, bucket_for,
                                                            vocoder_lengths, window_widths)
-from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, Qwen2_5OmniCode2WavStage
+from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, code2wav_worker
 from omnistage.models.qwen2_5_omni.code2wav_stream import (Qwen2_5OmniCode2WavStream,
                                                            Qwen2_5OmniCode2WavStreamConfig,
                                                            decode_chunks_with_mel)
@@ -200,10 +201,10 @@ def test_host_logic(t2w: Qwen2_5OmniToken2Wav) -> None:
 
 
 @pytest.mark.parametrize("thread", ["0", "1"], ids=["inline", "launcher_thread"])
-def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav, thread: str,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMNISTAGE_CODE2WAV_THREAD", thread)  # its default: on for CUDA only
-    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav, thread: str) -> None:
+    # launch_thread's default: on for CUDA only
+    stage = code2wav_worker("code2wav", t2w, torch.device("cpu"), SCHEDULE,
+                            GenEngineConfig(launch_thread=thread == "1"))
     assert (stage.launcher is not None) == (thread == "1")
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
@@ -246,11 +247,11 @@ def test_stage_first_chunk_goes_between_parts(t2w: Qwen2_5OmniToken2Wav, thread:
     """A step of later chunks runs in parts (preempt=4: 3 parts of the 9 intervals); a new
     request's first chunk, ready meanwhile, is emitted before that step's; all audio equals
     the whole-step stage's."""
-    monkeypatch.setenv("OMNISTAGE_CODE2WAV_THREAD", thread)
 
     def run(preempt: int) -> list[tuple[str, int]]:
-        stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE,
-                                         preempt=preempt)
+        stage = code2wav_worker(
+            "code2wav", t2w, torch.device("cpu"), SCHEDULE,
+            GenEngineConfig(preempt_parts=preempt, launch_thread=thread == "1"))
         out = []
         for rid, seed in (("a", 1), ("b", 2)):
             codes, cond, ref_mel = _request(seed, 70)
@@ -286,7 +287,8 @@ def test_stage_first_chunk_goes_between_parts(t2w: Qwen2_5OmniToken2Wav, thread:
 def test_stage_steps_beside_the_talker(t2w: Qwen2_5OmniToken2Wav) -> None:
     """A step of later chunks begun while some request's codes still arrive (the talker runs)
     is a decode beside other stages (free_sms); once every request's codes are in, not."""
-    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE, preempt=4)
+    stage = code2wav_worker("code2wav", t2w, torch.device("cpu"), SCHEDULE,
+                            GenEngineConfig(preempt_parts=4))
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
     stage.add_codes("a", codes[:60], finished=False)  # chunks 0 and 1 ready
@@ -303,14 +305,14 @@ def test_stage_steps_beside_the_talker(t2w: Qwen2_5OmniToken2Wav) -> None:
 def test_speaker_encoded_once_per_voice(t2w: Qwen2_5OmniToken2Wav) -> None:
     """Requests of one voice share the stage's copy of it, and the decoder encodes it once; a
     copy of the same values (another voice object) is encoded on its own, to the same values."""
-    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+    stage = code2wav_worker("code2wav", t2w, torch.device("cpu"), SCHEDULE)
     _, cond, ref_mel = _request(1, 30)
     for rid in ("a", "b"):
         stage.submit(rid, Code2WavRequest(cond, ref_mel, 7))
     stage.submit("c", Code2WavRequest(cond.clone(), ref_mel.clone(), 7))
     a, b, c = (stage.requests[r] for r in "abc")
     assert a.ref_mel is b.ref_mel and a.cond is b.cond and c.ref_mel is not a.ref_mel
-    dec = stage.decoder
+    dec = stage.model.decoder
     with torch.inference_mode():
         spk_a, spk_b, spk_c = (dec.speaker(r.stream) for r in (a, b, c))
     assert spk_a is spk_b and len(dec.speakers) == 2 and torch.equal(spk_a, spk_c)
@@ -332,20 +334,20 @@ def test_launch_returns_while_the_decode_is_queued(t2w: Qwen2_5OmniToken2Wav,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """With the launcher thread, a launch whose decode blocks (a CUDA graph launch at batch 32
     does) returns at once; the step is done, and collect has its audio, once the decode is."""
-    monkeypatch.setenv("OMNISTAGE_CODE2WAV_THREAD", "1")
-    stage = Qwen2_5OmniCode2WavStage("code2wav", t2w, torch.device("cpu"), SCHEDULE)
+    stage = code2wav_worker("code2wav", t2w, torch.device("cpu"), SCHEDULE,
+                            GenEngineConfig(launch_thread=True))
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
     stage.add_codes("a", codes, finished=True)
     release = threading.Event()
-    decode = stage.decoder.decode
+    decode = stage.model.decoder.decode
 
     def blocked_decode(jobs):
         assert threading.current_thread() is not threading.main_thread()
         release.wait(10)
         return decode(jobs)
 
-    monkeypatch.setattr(stage.decoder, "decode", blocked_decode)
+    monkeypatch.setattr(stage.model.decoder, "decode", blocked_decode)
     t = time.perf_counter()
     launched = stage.launch()
     assert time.perf_counter() - t < 5 and launched.pending is not None
@@ -481,8 +483,8 @@ def test_half_vocoder_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     ("dit_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, dit_dtype="int8")),
     ("cuda_graphs", lambda m: Qwen2_5OmniCode2WavDecoder(m, cuda_graphs=True)),
     ("compile", lambda m: Qwen2_5OmniCode2WavDecoder(m, compile=True)),
-    ("preempt", lambda m: Qwen2_5OmniCode2WavStage("c", m, torch.device("cpu"), None,
-                                                   preempt=-1)),
+    ("preempt", lambda m: code2wav_worker("c", m, torch.device("cpu"), None,
+                                          GenEngineConfig(preempt_parts=-1))),
     ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="float16")),
     ("vocoder_dtype", lambda m: Qwen2_5OmniCode2WavDecoder(m, vocoder_dtype="int8")),
     ("buckets", lambda m: Qwen2_5OmniCode2WavDecoder(m, buckets=(4, 2))),
@@ -499,15 +501,12 @@ def test_bad_options_raise(t2w: Qwen2_5OmniToken2Wav, field: str, make) -> None:
         make(t2w)
 
 
-def test_free_sms_from_environment(t2w: Qwen2_5OmniToken2Wav,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "lots")
-    with pytest.raises(ValueError, match="OMNISTAGE_CODE2WAV_FREE_SMS"):
-        Qwen2_5OmniCode2WavDecoder(t2w)
-    monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "auto")  # CPU: no graphs, so none
-    assert Qwen2_5OmniCode2WavDecoder(t2w).free_sms == 0
-    monkeypatch.setenv("OMNISTAGE_CODE2WAV_FREE_SMS", "0")
-    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+def test_free_sms_option(t2w: Qwen2_5OmniToken2Wav) -> None:
+    with pytest.raises(ValueError, match="free_sms"):
+        GenEngineConfig(free_sms="lots")
+    # CPU: no graphs, so none
+    assert Qwen2_5OmniCode2WavDecoder(t2w, free_sms="auto").free_sms == 0
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True, free_sms=0)
     assert dec.free_sms == 0 and dec.beside_capture_stream is dec.capture_stream is None
     # without free SMs a decode beside other stages is the same decode (one lane of shapes)
     a = _stream(t2w, 1, 70, SCHEDULE)

@@ -1,0 +1,36 @@
+"""The only place omnistage reads the environment, and only these three names. Behaviour is set
+by typed config (pipeline YAML, constructor options, CLI flags), never by variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+API_KEY = "OMNISTAGE_API_KEY"  # the server's bearer token when --api-key is not given
+CACHE_DIR = "OMNISTAGE_CACHE_DIR"  # built tiny checkpoints, converted test weights
+LOG_LEVEL = "OMNISTAGE_LOG_LEVEL"  # default log level of the CLI and stage processes
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY) or None
+
+
+def cache_dir() -> Path:
+    """$OMNISTAGE_CACHE_DIR, else $XDG_CACHE_HOME/omnistage, else ~/.cache/omnistage."""
+    root = os.environ.get(CACHE_DIR)
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnistage"
+
+
+def quiet_tokenizer_threads() -> None:
+    """HF tokenizers' own thread pool off unless the user set it (it warns after a fork)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def log_level(default: str = "warning") -> str:
+    level = (os.environ.get(LOG_LEVEL) or default).lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"{LOG_LEVEL}: {level!r}; one of {', '.join(LOG_LEVELS)}")
+    return level

@@ -1,0 +1,78 @@
+"""The non-AR engine's options: one frozen dataclass, read once when a worker is built.
+
+None means "the device's default", filled in by `resolve(device)`: the CUDA defaults are the
+measured best ones for code2wav (measured: benchmarks/results/
+qwen2_5_omni_pipeline_gpu_h100_chunk24_preempt3_2026-11-23.json and its neighbours)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+MAX_BATCH = 32  # the largest graph bucket: one graph per step
+
+
+def _check_flag(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}: true, false or None (the device's default), got {value!r}")
+
+
+@dataclass(frozen=True)
+class GenEngineConfig:
+    """max_batch: requests per step (at most the largest batch bucket).
+    cuda_graphs: "auto" = capture graphs on CUDA; "off" = eager everywhere.
+    compile: torch.compile the graphed shapes before their capture (only with graphs; a
+    machine where inductor cannot build falls back to uncompiled graphs with a warning).
+    launch_thread: queue a streaming step's GPU work from a thread of the worker's own (None:
+    on for CUDA). A big graph launch blocks the calling thread for most of its run; on the
+    thread the runtime's loop goes on launching the other stages.
+    first_output_alone: a step holding the first outputs of every request still waiting for its
+    first output runs with the GPU to itself (exclusive; None: on for CUDA).
+    preempt_parts: a step of later outputs runs in parts of this many intervals, a step of
+    first outputs going between two parts (0: whole steps; None: 3 on CUDA, 0 elsewhere).
+    free_sms: SMs a step `beside` other stages leaves to them (a CUDA green context; 0 = off;
+    "auto" = a quarter of the GPU's in multiples of 8, 0 without graphs or green contexts).
+    warmup: capture the model's graphs when the worker is built (None: on for CUDA)."""
+
+    max_batch: int = MAX_BATCH
+    cuda_graphs: Literal["auto", "off"] = "auto"
+    compile: bool = True
+    launch_thread: bool | None = None
+    first_output_alone: bool | None = None
+    preempt_parts: int | None = None
+    free_sms: int | Literal["auto"] = "auto"
+    warmup: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) \
+                or self.max_batch < 1:
+            raise ValueError(f"max_batch: an int >= 1, got {self.max_batch!r}")
+        if self.cuda_graphs not in ("auto", "off"):
+            raise ValueError(f"cuda_graphs: 'auto' or 'off', got {self.cuda_graphs!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile: true or false, got {self.compile!r}")
+        for name in ("launch_thread", "first_output_alone", "warmup"):
+            _check_flag(name, getattr(self, name))
+        p = self.preempt_parts
+        if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 0):
+            raise ValueError(f"preempt_parts: an int >= 0 or None, got {p!r}")
+        s = self.free_sms
+        if s != "auto" and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
+            raise ValueError(f"free_sms: an int >= 0 or 'auto', got {s!r}")
+
+    def resolve(self, device: torch.device) -> GenEngineConfig:
+        """This config with every None set to the device's default."""
+        cuda = device.type == "cuda"
+
+        def pick(value: bool | None) -> bool:
+            return cuda if value is None else value
+
+        return replace(self, launch_thread=pick(self.launch_thread),
+                       first_output_alone=pick(self.first_output_alone), warmup=pick(self.warmup),
+                       preempt_parts=(3 if cuda else 0) if self.preempt_parts is None
+                       else self.preempt_parts)
+
+    def use_graphs(self, device: torch.device) -> bool:
+        return self.cuda_graphs == "auto" and device.type == "cuda"

@@ -1,0 +1,121 @@
+"""What every pipeline uses to build its stages: device and dtype placement, a model built on
+its device, an AR stage's engine config, default sampling, request ids and seeds."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.config.schema import EngineOptions, PipelineConfig, StageConfig
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.ar.scheduler import EngineConfig, engine_config
+from omnistage.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a device ({e})") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r}; expected 'cpu' or 'cuda[:N]'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but no CUDA GPU is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}; only {torch.cuda.device_count()} GPU(s)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: torch.dtype):
+    """Instantiate directly on `device` in `dtype` (no fp32 copy of a 7B model), load weights."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.load_weights(tensors)
+    return model.to(dtype).eval()
+
+
+def stage_engine_config(model_max_len: int, options: dict[str, Any],
+                        stage: EngineOptions) -> EngineConfig:
+    """Constructor engine options, overridden by the stage's YAML `engine:` keys."""
+    merged = dict(options)
+    merged.update({k: v for k, v in stage.model_dump().items() if v is not None})
+    try:
+        return engine_config(model_max_len, **merged)
+    except TypeError as e:
+        raise ValueError(f"engine options: {e}") from e
+
+
+def generation_defaults(gen_cfg: dict) -> SamplingParams:
+    """The checkpoint's generation_config.json as default sampling (greedy when do_sample off)."""
+    if not gen_cfg.get("do_sample", False):
+        return SamplingParams(temperature=0.0, max_tokens=None,
+                              repetition_penalty=gen_cfg.get("repetition_penalty", 1.0))
+    return SamplingParams(temperature=gen_cfg.get("temperature", 1.0),
+                          top_p=gen_cfg.get("top_p", 1.0), top_k=gen_cfg.get("top_k", 0) or 0,
+                          repetition_penalty=gen_cfg.get("repetition_penalty", 1.0),
+                          max_tokens=None)
+
+
+def new_request_id(i: int) -> str:
+    return f"{uuid.uuid4().hex[:12]}-{i}"
+
+
+def resolve_seed(p: SamplingParams) -> int:
+    return p.seed if p.seed is not None else AREngine.new_seed()
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a registered stage builder gets (models.registry.register_stage)."""
+
+    path: Path  # the checkpoint directory
+    config: dict  # its config.json
+    pipeline: PipelineConfig
+    stage: StageConfig  # this stage's YAML entry
+    device: torch.device
+    dtype: torch.dtype
+    options: dict[str, Any]  # the pipeline's checked constructor options
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    def prefix(self, default: str) -> str:
+        """The stage's tensors in the checkpoint (the YAML's checkpoint_prefix, else default)."""
+        return default if self.stage.checkpoint_prefix is None else self.stage.checkpoint_prefix
+
+
+def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
+                       device: torch.device, dtype: torch.dtype, options: dict[str, Any]):
+    """A stage's worker from its YAML `model` through the registry (here or in a stage
+    process): no pipeline names its stages' classes."""
+    from omnistage.models.registry import STAGE_BUILDERS, import_all_models
+    import_all_models()
+    stage = pipeline.stage(name)
+    ctx = StageContext(Path(path), config, pipeline, stage, device, dtype, options)
+    return STAGE_BUILDERS[stage.model].build(ctx)
