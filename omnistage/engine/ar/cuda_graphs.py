@@ -27,8 +27,10 @@ replay reruns the function), on any device: the CPU tests exercise the graph pat
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 import warnings
 import weakref
+from typing import Any
 
 import torch
 
@@ -82,6 +84,32 @@ def green_context_stream(device: torch.device, num_sms: int) -> tuple[object, to
     index = device.index if device.index is not None else torch.cuda.current_device()
     context = GreenContext.create(num_sms=num_sms, device_id=index)
     return context, context.Stream()
+
+
+def warm_and_capture(warm: Callable[[], Any], capture: Callable[[], Any], device: torch.device,
+                     pool: Any, stream: torch.cuda.Stream, warm_stream: torch.cuda.Stream,
+                     warmups: int = 1, after_warmup: Callable[[], None] | None = None
+                     ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run `warm` `warmups` times on warm_stream (Triton compiles, library handles and
+    workspaces settle), then capture `capture` into `pool` on `stream`; (graph, its output).
+    Every CUDA graph of both engines is captured here.
+
+    NOTE: thread_local: a CUDA call of another thread (a front end, another stage's launcher)
+    cannot break the capture. `stream` is a private one (private_stream): cuBLAS keeps a
+    workspace per stream and a graph bakes in the one it was captured on; graphs that replay
+    side by side on their own streams must not share one (split-K semaphores there: a hang)."""
+    current = torch.cuda.current_stream(device)
+    warm_stream.wait_stream(current)
+    with torch.cuda.stream(warm_stream):
+        for _ in range(warmups):
+            warm()
+    current.wait_stream(warm_stream)
+    if after_warmup is not None:
+        after_warmup()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = capture()
+    return graph, out
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -301,25 +329,19 @@ class DecodeGraphs:
                 self.hidden = torch.zeros(self.max_size, out.shape[-1], dtype=out.dtype,
                                           device=self.device)
             return _EagerGraph(fn, out)
-        s = self.warm_stream
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):  # warm-up: Triton compiles, lazy buffers settle
-            for _ in range(2):
-                out = fn(True)
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        if self.hidden is None:
-            self.hidden = torch.zeros(self.max_size, out.shape[-1], dtype=out.dtype,
-                                      device=self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call of another thread (a front end) cannot break the capture.
-        # Our own capture stream: cuBLAS keeps a workspace per stream and a graph bakes in the
-        # one of the stream it was captured on; graphs of stages that replay side by side (on
-        # their own streams) must not share one (split-K semaphores there: a GPU hang).
-        with torch.cuda.graph(g, pool=self.pool, stream=self.capture_stream,
-                              capture_error_mode="thread_local"):
-            out = fn(False)
+        warmed: list[torch.Tensor] = []
+
+        def settle() -> None:  # the hidden buffer's width: the warm-up output's
+            if self.hidden is None:
+                out = warmed[-1]
+                self.hidden = torch.zeros(self.max_size, out.shape[-1], dtype=out.dtype,
+                                          device=self.device)
+
+        g, out = warm_and_capture(lambda: warmed.append(fn(True)), lambda: fn(False),
+                                  self.device, self.pool, self.capture_stream, self.warm_stream,
+                                  warmups=2, after_warmup=settle)
         return _Graph(g, out)
 
     def run(self, seqs, embeds_rows, add_rows, sampling: StepSampling | None = None,

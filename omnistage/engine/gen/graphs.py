@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from omnistage.engine.ar.cuda_graphs import green_context_stream, private_stream
+from omnistage.engine.ar.cuda_graphs import green_context_stream, private_stream, warm_and_capture
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -137,25 +137,20 @@ class GraphCache:
         """Run fn once (warm-up), then capture it into the shared pool on a private stream
         (beside: the green context's); returns (graph, fn's captured output)."""
         t0 = time.perf_counter()
-        side = self.warm_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        # warm-up: library handles, workspaces, autotuning (compiled code: compiled already)
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        self.warmup_seconds += time.perf_counter() - t0
-        reserved = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other stages' threads may use the GPU while this one captures
+        reserved = [0]
+
+        def warmed() -> None:  # (compiled code is compiled already: compile_or_fall_back)
+            torch.cuda.synchronize(self.device)
+            self.warmup_seconds += time.perf_counter() - t0
+            reserved[0] = torch.cuda.memory_reserved(self.device)
+
         stream = self.beside_capture_stream if beside else self.capture_stream
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                              capture_error_mode="thread_local"):
-            out = fn()
+        graph, out = warm_and_capture(fn, fn, self.device, self.pool, stream, self.warm_stream,
+                                      after_warmup=warmed)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         self.graph_bytes[key] = (self.graph_bytes.get(key, 0)
-                                 + torch.cuda.memory_reserved(self.device) - reserved)
+                                 + torch.cuda.memory_reserved(self.device) - reserved[0])
         return graph, out
 
     def compile_or_fall_back(self, run: Callable[[], Any], what: str) -> bool:
