@@ -86,6 +86,12 @@ def green_context_stream(device: torch.device, num_sms: int) -> tuple[object, to
     return context, context.Stream()
 
 
+def smallest_bucket(n: int, buckets) -> int | None:
+    """The smallest of the increasing `buckets` that holds n (None: n exceeds them all); the
+    one bucket lookup of both engines' graphs."""
+    return next((b for b in buckets if b >= n), None)
+
+
 def warm_and_capture(warm: Callable[[], Any], capture: Callable[[], Any], device: torch.device,
                      pool: Any, stream: torch.cuda.Stream, warm_stream: torch.cuda.Stream,
                      warmups: int = 1, after_warmup: Callable[[], None] | None = None
@@ -206,7 +212,7 @@ class DecodeGraphs:
 
     # ---------------------------------------------------------------- host side
     def padded_size(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n), None)
+        return smallest_bucket(n, self.sizes)
 
     def can_run(self, seqs, num_tokens: list[int]) -> bool:
         return (len(seqs) <= self.max_size and all(n == 1 for n in num_tokens)

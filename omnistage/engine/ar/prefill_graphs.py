@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
-from omnistage.engine.ar.cuda_graphs import DecodeGraphs
+from omnistage.engine.ar.cuda_graphs import DecodeGraphs, smallest_bucket
 from omnistage.engine.ar.interface import ForwardBatch
 
 BUCKETS = (16, 32, 64, 128, 256)  # padded token counts; larger prefills stay eager
@@ -51,7 +51,7 @@ class PrefillGraphs:
         self.num_runs = 0
 
     def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+        return smallest_bucket(n, self.buckets)
 
     def can_run(self, seqs, num_tokens: list[int]) -> bool:
         return (len(seqs) == 1 and 1 < num_tokens[0] <= self.max_tokens

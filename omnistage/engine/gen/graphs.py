@@ -16,16 +16,17 @@ from typing import Any, Literal
 
 import torch
 
-from omnistage.engine.ar.cuda_graphs import green_context_stream, private_stream, warm_and_capture
+from omnistage.engine.ar.cuda_graphs import (green_context_stream, private_stream,
+                                              smallest_bucket, warm_and_capture)
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n (n <= max(buckets))."""
-    for b in buckets:
-        if b >= n:
-            return b
+    bucket = smallest_bucket(n, buckets)
+    if bucket is not None:
+        return bucket
     raise ValueError(f"batch: {n} rows exceed the largest bucket {max(buckets)}")
 
 

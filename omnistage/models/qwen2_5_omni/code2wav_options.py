@@ -10,14 +10,15 @@ from typing import Any, Literal
 import torch
 
 from omnistage.engine.gen.config import GenEngineConfig
+from omnistage.runtime.build import DTYPES
 
 from .code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
 
 # the DiT's compute dtypes ("tf32": float32 weights, TF32 matmuls)
-DIT_DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}
+DIT_DTYPES = {"float32": DTYPES["float32"], "tf32": DTYPES["float32"],
+              "bfloat16": DTYPES["bfloat16"]}
 # BigVGAN's conv dtypes (half ones: autocast; the weights stay float32)
-VOCODER_DTYPES = {"float32": torch.float32, "float16": torch.float16,
-                  "bfloat16": torch.bfloat16}
+VOCODER_DTYPES = {name: DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 DIT_ATTENTIONS = ("block", "sdpa")  # the Triton block kernel; torch SDPA over a dense mask
 BIGVGAN_TRITON = ("auto", "off", "recompute", "gather")  # auto: the default fused variant
 
