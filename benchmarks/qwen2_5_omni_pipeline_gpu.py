@@ -194,13 +194,13 @@ def trace_code2wav(llm: AsyncOmniLLM) -> None:
     chunks being its step's; and per request when its first chunk became ready and when it was
     launched (FIRST_READY, FIRST_LAUNCH): where a request's time to first audio goes."""
     stage = llm.pipeline.workers.get("code2wav")
-    if stage is None or not hasattr(stage, "launch") or stage.model.stream_config is None:
+    if stage is None or stage.model.stream_config is None:
         return
-    launch, collect, add_codes = stage.launch, stage.collect, stage.add_codes
+    launch, collect, add_input = stage.launch, stage.collect, stage.add_input
     started: dict[int, tuple] = {}
 
-    def traced_add_codes(request_id: str, codes: list[int], finished: bool) -> None:
-        add_codes(request_id, codes, finished)
+    def traced_add_input(request_id: str, codes: list[int], finished: bool) -> None:
+        add_input(request_id, codes, finished)
         req = stage.requests.get(request_id)
         if request_id not in FIRST_READY and req is not None and req.stream is not None \
                 and req.next_chunk == 0 and req.stream.ready_chunks() > 0:
@@ -227,7 +227,7 @@ def trace_code2wav(llm: AsyncOmniLLM) -> None:
             C2W_TRACE.append((begun[0], begun[1], t, *begun[2:]))
         return collect(launched)
 
-    stage.launch, stage.collect, stage.add_codes = traced_launch, traced_collect, traced_add_codes
+    stage.launch, stage.collect, stage.add_input = traced_launch, traced_collect, traced_add_input
 
 
 HOST_CALLS: list[tuple] = []  # (start, seconds, what) of traced host calls

@@ -20,11 +20,11 @@ from omnistage.models.registry import (ADAPTER_REGISTRY, CAUSAL_LM_PIPELINE, STA
                                        resolve_architecture)
 from omnistage.prompts import text_prompt_ids
 from omnistage.runtime.build import (StageContext, build_model, build_stage_worker,
-                                     generation_defaults, new_request_id, resolve_device,
-                                     resolve_dtype, resolve_seed, stage_engine_config)
+                                     build_stages, generation_defaults, new_request_id,
+                                     resolve_seed, stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.process import StageProcessSpec, pop_stage_worker, stage_process_spec
-from omnistage.runtime.stage import ARStageWorker, StageLink, StageWorker
+from omnistage.runtime.process import pop_stage_worker
+from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
 
 register_model("causal_lm")(DecoderForCausalLM)  # resolved by config.architectures at load
@@ -77,17 +77,8 @@ class CausalLMPipeline:
         self.default_params.update({s.name: s.default_sampling.apply(SamplingParams())
                                     for s in pipeline.stages[1:]})
         self.output_modalities = pipeline.output_modalities
-        self.workers: dict[str, StageWorker] = {}
-        self.process_stages: dict[str, StageProcessSpec] = {}
-        for stage in pipeline.stages:
-            dev = resolve_device(stage.device) if stage.device else device
-            dt = dtype if stage.dtype == "auto" else resolve_dtype(stage.dtype, dev)
-            if (options["stage_worker"] or stage.worker) == "process":
-                self.process_stages[stage.name] = stage_process_spec(
-                    path, config, pipeline, stage.name, dev, dt, options)
-            else:
-                self.workers[stage.name] = build_stage_worker(path, config, pipeline,
-                                                              stage.name, dev, dt, options)
+        self.workers, self.process_stages = build_stages(path, config, pipeline,
+                                                         pipeline.stages, device, dtype, options)
 
     @property
     def stage_names(self) -> list[str]:

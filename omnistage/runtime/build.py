@@ -13,6 +13,7 @@ import torch
 from omnistage.config.schema import EngineOptions, PipelineConfig, StageConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
+from omnistage.runtime.process import StageProcessSpec, stage_process_spec
 from omnistage.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -119,3 +120,23 @@ def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
     stage = pipeline.stage(name)
     ctx = StageContext(Path(path), config, pipeline, stage, device, dtype, options)
     return STAGE_BUILDERS[stage.model].build(ctx)
+
+
+def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[StageConfig],
+                 device: torch.device, dtype: torch.dtype, options: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, StageProcessSpec]]:
+    """The stages, in pipeline order, each placed on its YAML device/dtype (else the
+    constructor's): a worker built here, or the spec of a stage process of its own
+    (options["stage_worker"] for every stage, else the stage's `worker`)."""
+    workers: dict[str, Any] = {}
+    process_stages: dict[str, StageProcessSpec] = {}
+    for stage in stages:
+        dev = resolve_device(stage.device) if stage.device else device
+        dt = dtype if stage.dtype == "auto" else resolve_dtype(stage.dtype, dev)
+        if (options["stage_worker"] or stage.worker) == "process":
+            process_stages[stage.name] = stage_process_spec(path, config, pipeline, stage.name,
+                                                            dev, dt, options)
+        else:
+            workers[stage.name] = build_stage_worker(path, config, pipeline, stage.name, dev, dt,
+                                                     options)
+    return workers, process_stages

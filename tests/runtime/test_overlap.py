@@ -87,7 +87,7 @@ def test_code2wav_abort_while_a_chunk_is_in_flight(tiny_omni_dir):
     from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest
     for rid in ("a", "b"):
         stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
-        stage.add_codes(rid, [5] * 30, finished=True)
+        stage.add_input(rid, [5] * 30, finished=True)
     launched = stage.launch()
     stage.abort("a")
     events = stage.collect(launched)
@@ -163,11 +163,11 @@ def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monke
     from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest
     for rid in ("a", "b"):
         stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
-    stage.add_codes("a", [5] * 120, finished=False)
+    stage.add_input("a", [5] * 120, finished=False)
     launched = stage.launch()  # a's first chunk while b still waits for its first audio
     assert not launched.exclusive and [rid for rid, _ in launched.state[0]] == ["a"]
     stage.collect(launched)
-    stage.add_codes("b", [7] * 120, finished=False)
+    stage.add_input("b", [7] * 120, finished=False)
     assert stage.requests["a"].stream.ready_chunks() > 1  # a's next chunk is ready too
     launched = stage.launch()  # b is the last one waiting: its first chunk alone
     assert launched.exclusive and [rid for rid, _ in launched.state[0]] == ["b"]
@@ -180,7 +180,7 @@ def test_first_chunk_step_alone_only_when_no_one_else_waits(tiny_omni_dir, monke
     monkeypatch.setattr(stage, "max_batch", 1)
     for rid in ("c", "d"):
         stage.submit(rid, Code2WavRequest(voice["cond"], voice["ref_mel"], seed=1))
-        stage.add_codes(rid, [9] * 120, finished=False)
+        stage.add_input(rid, [9] * 120, finished=False)
     for rid in ("c", "d"):
         launched = stage.launch()
         assert launched.exclusive and [r for r, _ in launched.state[0]] == [rid]

@@ -76,10 +76,6 @@ class GenStageWorker:
         if state is not None:
             self.model.add_input(state, data, finished)
 
-    def add_codes(self, request_id: str, codes: list[int], finished: bool) -> None:
-        """Codes from the talker (the code2wav stages' input)."""
-        self.add_input(request_id, codes, finished)
-
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)  # (a job computes its output still; collect drops it)
 

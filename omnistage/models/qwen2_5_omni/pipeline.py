@@ -27,10 +27,10 @@ from omnistage.models.qwen2_5_omni.voices import load_voices
 from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
 from omnistage.outputs import OmniRequestOutput
 from omnistage.runtime.build import (StageContext, build_model, build_stage_worker,
-                                     generation_defaults, new_request_id, resolve_device,
-                                     resolve_dtype, resolve_seed, stage_engine_config)
+                                     build_stages, generation_defaults, new_request_id,
+                                     resolve_seed, stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.process import StageProcessSpec, pop_stage_worker, stage_process_spec
+from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
 
@@ -144,18 +144,9 @@ class Qwen2_5OmniPipeline:
             self.default_params[sk.name] = sk.default_sampling.apply(
                 talker_default_params(self.codec_ids))
             self.default_params[sc.name] = SamplingParams()
-        # stages, in pipeline order: a worker built here, or the spec of a stage process
-        self.workers: dict[str, Any] = {}
-        self.process_stages: dict[str, StageProcessSpec] = {}
         self.stage_order = [s.name for s in stages]
-        for stage in stages:
-            dev, dt = self._placement(stage, device, dtype)
-            if (options["stage_worker"] or stage.worker) == "process":
-                self.process_stages[stage.name] = stage_process_spec(
-                    path, config, pipeline, stage.name, dev, dt, options)
-            else:
-                self.workers[stage.name] = build_stage_worker(path, config, pipeline, stage.name,
-                                                              dev, dt, options)
+        self.workers, self.process_stages = build_stages(path, config, pipeline, stages, device,
+                                                         dtype, options)
 
     @classmethod
     def _check_options(cls, engine_options: dict[str, Any]) -> dict[str, Any]:
@@ -170,11 +161,6 @@ class Qwen2_5OmniPipeline:
                 "engine": opts}
 
     build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
-
-    @staticmethod
-    def _placement(stage: StageConfig, device, dtype) -> tuple[torch.device, torch.dtype]:
-        dev = resolve_device(stage.device) if stage.device else device
-        return dev, (dtype if stage.dtype == "auto" else resolve_dtype(stage.dtype, dev))
 
     @property
     def stage_names(self) -> list[str]:

@@ -215,7 +215,7 @@ class Qwen2_5OmniTalkerToCode2Wav:
         return TalkerCodes(codes, ev.finished)
 
     def receive(self, request_id: str, msg: TalkerCodes, code2wav_worker) -> None:
-        code2wav_worker.add_codes(request_id, msg.codes, msg.finished)
+        code2wav_worker.add_input(request_id, msg.codes, msg.finished)
 
 
 def talker_sequence(request_id: str, thinker_seq: Sequence, adapter: Qwen2_5OmniThinkerToTalker,

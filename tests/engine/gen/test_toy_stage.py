@@ -129,7 +129,7 @@ def test_requests_join_and_leave_between_steps() -> None:
     w.submit("c", [])
     w.add_input("c", [7], finished=False)  # not a whole chunk yet: nothing ready
     assert not w.has_work()
-    w.add_codes("c", [8, 9], finished=True)
+    w.add_input("c", [8, 9], finished=True)
     assert _ids(w.step()) == [("c", [70, 80], False)]
     assert _ids(w.step()) == [("c", [90], True)]
     w.submit("d", [])

@@ -208,11 +208,11 @@ def test_stage_streams_through_decoder(t2w: Qwen2_5OmniToken2Wav, thread: str) -
     assert (stage.launcher is not None) == (thread == "1")
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
-    stage.add_codes("a", codes[:30], finished=False)
+    stage.add_input("a", codes[:30], finished=False)
     audio = []
     while stage.has_work():
         audio += [e.audio for e in stage.step()]
-    stage.add_codes("a", codes[30:], finished=True)
+    stage.add_input("a", codes[30:], finished=True)
     while stage.has_work():
         audio += [e.audio for e in stage.step()]
     assert [len(a) for a in audio] == [24 * 240, 72 * 240, 44 * 240]
@@ -257,13 +257,13 @@ def test_stage_first_chunk_goes_between_parts(t2w: Qwen2_5OmniToken2Wav, thread:
             codes, cond, ref_mel = _request(seed, 70)
             stage.submit(rid, Code2WavRequest(cond, ref_mel, 100 + seed))
             if rid == "a":
-                stage.add_codes("a", codes, finished=True)
+                stage.add_input("a", codes, finished=True)
                 out += [(e.request_id, e.audio) for e in stage.step()]  # a's first chunk
                 launched = stage.launch()  # a's second chunk: the first part of its step
                 assert launched.state[0] == [] if preempt else len(launched.state[0]) == 1
                 out += [(e.request_id, e.audio) for e in stage.collect(launched)]
             else:
-                stage.add_codes("b", codes, finished=True)
+                stage.add_input("b", codes, finished=True)
         while stage.has_work():
             out += [(e.request_id, e.audio) for e in stage.step()]
         assert not stage.requests and stage.job is None
@@ -291,13 +291,13 @@ def test_stage_steps_beside_the_talker(t2w: Qwen2_5OmniToken2Wav) -> None:
                             GenEngineConfig(preempt_parts=4))
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
-    stage.add_codes("a", codes[:60], finished=False)  # chunks 0 and 1 ready
+    stage.add_input("a", codes[:60], finished=False)  # chunks 0 and 1 ready
     stage.step()  # a's first chunk
     stage.collect(stage.launch())
     assert stage.job is not None and stage.job.beside
     while stage.job is not None:
         stage.step()
-    stage.add_codes("a", codes[60:], finished=True)
+    stage.add_input("a", codes[60:], finished=True)
     stage.collect(stage.launch())
     assert stage.job is not None and not stage.job.beside
 
@@ -338,7 +338,7 @@ def test_launch_returns_while_the_decode_is_queued(t2w: Qwen2_5OmniToken2Wav,
                             GenEngineConfig(launch_thread=True))
     codes, cond, ref_mel = _request(1, 70)
     stage.submit("a", Code2WavRequest(cond, ref_mel, 101))
-    stage.add_codes("a", codes, finished=True)
+    stage.add_input("a", codes, finished=True)
     release = threading.Event()
     decode = stage.model.decoder.decode
 
