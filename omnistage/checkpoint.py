@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +79,8 @@ def iter_tensors(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tens
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
     env.quiet_tokenizer_threads()
-    return AutoTokenizer.from_pretrained(str(path))
+    with quiet_transformers():  # AutoTokenizer reads config.json through AutoConfig
+        return AutoTokenizer.from_pretrained(str(path))
 
 
 def eos_token_ids(generation_config: dict, config: dict, tokenizer) -> set[int]:
@@ -93,3 +95,20 @@ def eos_token_ids(generation_config: dict, config: dict, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off inside, back as they were after. Its config
+    validation warns about every Qwen2.5-Omni checkpoint (the talker config holds thinker token
+    ids beyond the talker's vocab), on each load through AutoConfig: noise, not a problem."""
+    from transformers.utils import logging as hf_logging
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

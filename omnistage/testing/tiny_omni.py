@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,8 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.utils import PushToHubMixin
+
+from omnistage.checkpoint import quiet_transformers
 
 BUILD_VERSION = 1
 MARKER = "tiny_omni_build.json"
@@ -287,22 +288,6 @@ def _is_complete(out: Path, args: dict[str, Any]) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers' config warnings and progress bars off while we build (they are expected:
-    the tiny talker's vocab holds none of the thinker's special ids), back as they were after."""
-    from transformers.utils import logging as hf_logging
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = "legacy") -> Path:
     """Build (or reuse) a tiny random Qwen2.5-Omni checkpoint in `out_dir`; returns its path.
 
@@ -319,7 +304,7 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        with _quiet_transformers():  # its warnings about ids outside the tiny talker vocab
+        with quiet_transformers():  # its warnings about ids outside the tiny talker vocab
             tok = build_tiny_tokenizer()
             torch.manual_seed(seed)
             model = Qwen2_5OmniForConditionalGeneration(build_tiny_config(tok)).eval()
@@ -335,7 +320,7 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = 
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         model.generation_config.eos_token_id = [eos]
         model.thinker.generation_config.eos_token_id = [eos]
-        with _quiet_transformers():
+        with quiet_transformers():
             model.save_pretrained(tmp, max_shard_size="600KB")  # several shards + index
         gen = torch.Generator().manual_seed(seed + 1)
         spk = {name: {"bos_token": tok.convert_tokens_to_ids(token),

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from omnistage.checkpoint import quiet_transformers
 from omnistage.models.qwen2_5_omni.media import (
     DEFAULT_MAX_AUDIO_SECONDS,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -210,7 +211,8 @@ class Qwen2_5OmniInputProcessor:
         root = Path(path)
         if not (root / "config.json").is_file():
             raise ValueError(f"{root}: not a checkpoint directory (no config.json)")
-        tok = AutoTokenizer.from_pretrained(str(root))
+        with quiet_transformers():  # AutoTokenizer reads config.json through AutoConfig
+            tok = AutoTokenizer.from_pretrained(str(root))
         fe_dict, ip_dict = _processor_dicts(root)
         fe = WhisperFeatureExtractor.from_dict(fe_dict)
         ip = Qwen2VLImageProcessorPil.from_dict(ip_dict)
