@@ -16,6 +16,9 @@ class StageOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     audio: np.ndarray | None = None  # float32 [samples]
+    # multi-codebook stages (Qwen3-Omni's talker): int64 [frames, codebooks], every codebook of
+    # each frame; token_ids holds codebook 0
+    codes: np.ndarray | None = None
 
 
 @dataclass

@@ -30,6 +30,8 @@ class StageEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # multi-codebook AR stages: one row per new token, all its codebooks (token_ids = the first)
+    codes: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -54,6 +54,7 @@ class RuntimeRequest:
     stream: bool = True  # deliver every delta (False: only the final output)
     arrival: float = 0.0
     stage_tokens: dict[str, list[int]] = field(default_factory=dict)
+    stage_codes: dict[str, list[list[int]]] = field(default_factory=dict)
     stage_reasons: dict[str, str | None] = field(default_factory=dict)
     text: str = ""
     audio_chunks: list[np.ndarray] = field(default_factory=list)
@@ -379,6 +380,8 @@ class Orchestrator:
             return
         now = time.monotonic() - req.arrival
         req.stage_tokens.setdefault(ev.stage, []).extend(ev.token_ids)
+        if ev.codes:
+            req.stage_codes.setdefault(ev.stage, []).extend(ev.codes)
         if self.trace is not None:
             self.trace.append((ev.stage, ev.request_id, len(req.stage_tokens[ev.stage]),
                                ev.audio is not None))
@@ -421,6 +424,8 @@ class Orchestrator:
                 out.stages[stage] = StageOutput(stage, list(req.stage_tokens.get(stage, [])),
                                                 req.text if stage == req.text_stage else "",
                                                 req.stage_reasons.get(stage))
+                if stage in req.stage_codes:
+                    out.stages[stage].codes = np.asarray(req.stage_codes[stage], dtype=np.int64)
             if req.audio_stage is not None:
                 audio = (np.concatenate(req.audio_chunks) if req.audio_chunks
                          else np.zeros(0, dtype=np.float32))

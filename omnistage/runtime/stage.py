@@ -115,7 +115,8 @@ class ARStageWorker:
             updates = self.engine.collect(launched.state)
         self.last_batch_size = len(updates)
         return [StageEvent(self.name, u.request_id, u.new_token_ids, u.new_text, u.hidden,
-                           finished=u.finished, finish_reason=u.finish_reason, error=u.error)
+                           codes=u.new_codes, finished=u.finished, finish_reason=u.finish_reason,
+                           error=u.error)
                 for u in updates]
 
     def fail_all(self, error: str) -> list[StageEvent]:

@@ -11,7 +11,7 @@ collect). EngineConfig.async_scheduling=False turns it off."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class SequenceUpdate:
     finish_reason: str | None = None
     error: str | None = None
     hidden: tuple[int, torch.Tensor] | None = None  # (first position, rows [n, D]) on device
+    new_codes: list[list[int]] = field(default_factory=list)  # multi-codebook: all codebooks
 
 
 class AREngine:
@@ -144,6 +145,9 @@ class AREngine:
                 continue
             update = SequenceUpdate(seq.request_id, [], "", False, hidden=hidden)
             if token is not None:
+                codes = result.codes.get(seq.request_id)
+                if codes is not None:
+                    update.new_codes.append([token] + codes)
                 self._append_token(seq, token, update)
             updates.append(update)
         return updates

@@ -28,6 +28,7 @@ CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks
 class StepResult:
     sampled: dict[str, int]  # request_id -> new token (seqs that reached the end of their tokens)
     hidden: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, rows [n, D])
+    codes: dict[str, list[int]] = field(default_factory=dict)  # request_id -> codebooks 1..K-1
 
 
 @dataclass
@@ -44,6 +45,7 @@ class LaunchedBatch:
     logits: torch.Tensor | None = None  # logits graph output (no sampler state on the graphs)
     inputs: list = field(default_factory=list)
     graph_run: int = -1  # DecodeGraphs run index (where its sampled ids land)
+    sample_hidden: torch.Tensor | None = None  # multi-codebook: the sampled rows' hidden
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -68,6 +70,9 @@ class ModelRunner:
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.uses_mrope = getattr(model.config, "mrope_section", None) is not None
+        # multi-codebook models (Qwen3-Omni's talker): after the first codebook is sampled,
+        # model.predict_residuals draws the others within the same step
+        self.code_groups = getattr(model, "num_code_groups", 1)
         self.num_forwards = 0
         configure_kernels(model, KernelOptions(
             compile=device.type == "cuda" and config.compile,
@@ -229,6 +234,9 @@ class ModelRunner:
         else:
             tokens = []
         result.sampled = {seqs[r].request_id: t for r, t in zip(srows, tokens)}
+        if self.code_groups > 1 and srows:
+            result.codes = self._residuals([seqs[r] for r in srows], launched.sample_hidden,
+                                           tokens)
         return result
 
     def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
@@ -257,12 +265,29 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows])
             tokens = self._sample_eager(samplers, logits)
             result.sampled = {s.request_id: t for s, t in zip(samplers, tokens)}
+            if self.code_groups > 1:
+                result.codes = self._residuals(samplers, hidden[sample_rows], tokens)
         return result
+
+    def _residuals(self, seqs: list[Sequence], hidden: torch.Tensor, tokens: list[int]
+                   ) -> dict[str, list[int]]:
+        """The other codebooks of each just-sampled first code (hidden: the rows that sampled
+        it); their summed embeddings are kept on the sequence for when the token is fed."""
+        dev = hidden.device
+        codes, embeds = self.model.predict_residuals(
+            hidden, torch.tensor(tokens, device=dev),
+            torch.tensor([s.seed & 0x7FFFFFFFFFFFFFFF for s in seqs], device=dev),
+            torch.tensor([len(s.output_token_ids) for s in seqs], device=dev),
+            torch.tensor([s.params.greedy for s in seqs], device=dev))
+        for seq, row in zip(seqs, embeds):
+            seq.residual_embeds.append(row)
+        return {s.request_id: c for s, c in zip(seqs, codes.tolist())}
 
     def can_launch_ahead(self, prev: LaunchedBatch) -> bool:
         """Whether the next step of prev's sequences can be queued before prev's tokens are
         back: prev is a graphed decode whose every row samples on the device."""
-        return (prev.sampling is not None and prev.result is None
+        # (not for multi-codebook models: the next input needs this step's residual codes)
+        return (prev.sampling is not None and prev.result is None and self.code_groups == 1
                 and len(prev.sample_rows) == len(prev.batch.seqs))
 
     @torch.inference_mode()
@@ -287,8 +312,10 @@ class ModelRunner:
         # graph outputs are overwritten by the next replay: exported rows are cloned
         partial = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
         # rows: the GPU may still read them; they live until finish()
+        sample_hidden = hidden[srows] if self.code_groups > 1 and srows else None
         return LaunchedBatch(batch, partial=partial, sampling=step, sample_rows=srows,
-                             logits=logits, inputs=rows, graph_run=run)
+                             logits=logits, inputs=rows, graph_run=run,
+                             sample_hidden=sample_hidden)
 
     def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
         # logits: [len(samplers), V] fp32
@@ -329,6 +356,20 @@ def _mrope_slice(seq: Sequence, start: int, end: int) -> torch.Tensor:
 
 def _input_rows(seq: Sequence, start: int, end: int):
     """(replacement rows + mask, additive rows) for positions [start, end) of one sequence."""
+    embeds, add = _source_rows(seq, start, end)
+    P = seq.num_prompt_tokens
+    if seq.residual_embeds and end > P:
+        # fed output tokens of a multi-codebook model: add their other codebooks' embeddings
+        lo = max(start, P)
+        res = seq.residual_embeds[lo - P:end - P]
+        rows = res[0].unsqueeze(0) if len(res) == 1 else torch.stack(res)
+        if lo > start:
+            rows = torch.cat([rows.new_zeros(lo - start, rows.shape[-1]), rows])
+        add = rows if add is None else add + rows.to(add.dtype)
+    return embeds, add
+
+
+def _source_rows(seq: Sequence, start: int, end: int):
     if seq.input_source is not None:
         rows, replace = seq.input_source.rows(seq, start, end)
         if replace is None:

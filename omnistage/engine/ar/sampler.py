@@ -283,7 +283,8 @@ class SamplerState:
         # the slot's device rows from the sequence's lists (once per admission or when stale)
         V, p = self.vocab_size, seq.params
         row = np.zeros(V, dtype=np.uint8)
-        row[np.clip(np.asarray(seq.prompt_token_ids, dtype=np.int64), 0, V - 1)] |= SEEN
+        if seq.penalize_prompt:
+            row[np.clip(np.asarray(seq.prompt_token_ids, dtype=np.int64), 0, V - 1)] |= SEEN
         supp, stop = _in_range(p.suppress_token_ids, V), _in_range(seq.stop_token_ids, V)
         row[supp] |= SUPPRESS
         row[stop] |= STOP

@@ -57,6 +57,7 @@ class Sequence:
     forced_output_ids: list[int] | None = None  # emit exactly these instead of sampling
     export_hidden: bool = False
     cacheable: bool = True  # False when the KV depends on inputs the hash cannot see
+    penalize_prompt: bool = True  # repetition penalty over prompt ids too (transformers' rule)
     arrival: int = 0  # FCFS order
 
     # state
@@ -70,6 +71,9 @@ class Sequence:
     error: str | None = None
     output_text: str = ""
     num_preemptions: int = 0
+    # multi-codebook models: per output token, the summed embeddings of its other codebooks
+    # (added to its input row when it is fed back)
+    residual_embeds: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
