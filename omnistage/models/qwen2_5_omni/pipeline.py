@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from omnistage.checkpoint import eos_token_ids, iter_tensors, load_generation_config
-from omnistage.config.schema import PipelineConfig, StageConfig
+from omnistage.config.schema import PipelineConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.qwen2_5_omni.code2wav_options import pop_code2wav_options
@@ -24,42 +24,17 @@ from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerFor
 from omnistage.models.qwen2_5_omni.thinker import (Qwen2_5OmniThinkerForCausalLM,
                                                    thinker_sequence)
 from omnistage.models.qwen2_5_omni.voices import load_voices
+from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, kv_fraction, stage_roles
 from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
-from omnistage.outputs import OmniRequestOutput
-from omnistage.runtime.build import (StageContext, build_model, build_stage_worker,
-                                     build_stages, generation_defaults, new_request_id,
-                                     resolve_seed, stage_engine_config)
+from omnistage.runtime.build import (StageContext, build_model, build_stages,
+                                     generation_defaults, new_request_id, resolve_seed,
+                                     stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
 
 SAMPLE_RATE = 24000
 DEFAULT_VOICE = "Chelsie"
-
-
-def _roles(cfg: PipelineConfig) -> dict[str, StageConfig | None]:
-    """The stages by their part, read off the YAML's outputs and inputs: the thinker gives
-    text, code2wav gives audio, the talker feeds code2wav."""
-    thinker = next((s for s in cfg.stages if s.output == "text"), None)
-    code2wav = next((s for s in cfg.stages if s.output == "audio"), None)
-    talker = None
-    if code2wav is not None and code2wav.inputs:
-        talker = cfg.stage(code2wav.inputs[0].upstream)
-    return {"thinker": thinker, "talker": talker, "code2wav": code2wav}
-
-
-def _kv_fraction(ctx: StageContext, fraction: float) -> dict[str, Any]:
-    """The AR engine options; on CUDA, unless sized by the user, KV takes `fraction` of the
-    free memory. NOTE: stages share one GPU: the thinker (built first) takes 45% for KV, the
-    talker half of what is left, and the rest stays for code2wav and graphs."""
-    opts = dict(ctx.options["engine"])
-    sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
-    if ctx.device.type == "cuda" \
-            and not sized & {k for k, v in opts.items() if v is not None} \
-            and not sized & {k for k, v in ctx.stage.engine.model_dump().items() if v is not None}:
-        opts["kv_cache_memory_fraction"] = fraction
-    return opts
 
 
 @register_stage("Qwen2_5OmniThinker", "ar")
@@ -70,7 +45,7 @@ def build_thinker(ctx: StageContext) -> ARStageWorker:
     model = build_model(Qwen2_5OmniThinkerForCausalLM, model_cfg,
                         iter_tensors(ctx.path, ctx.prefix("thinker.")), ctx.device, ctx.dtype)
     cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
-                              _kv_fraction(ctx, 0.45), ctx.stage.engine)
+                              kv_fraction(ctx, 0.45), ctx.stage.engine)
     engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
                       eos_token_ids(gen_cfg, ctx.config, None))
     engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
@@ -84,7 +59,7 @@ def build_talker(ctx: StageContext) -> ARStageWorker:
     model = build_model(Qwen2_5OmniTalkerForCausalLM, model_cfg,
                         iter_tensors(ctx.path, ctx.prefix("talker.")), ctx.device, ctx.dtype)
     cfg = stage_engine_config(model_cfg.get("max_position_embeddings", 32768),
-                              _kv_fraction(ctx, 0.5), ctx.stage.engine)
+                              kv_fraction(ctx, 0.5), ctx.stage.engine)
     engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
     params = talker_default_params(talker_token_ids(model_cfg)[0])
     # decode steps add the thinker's rows (of the talker's embedding width)
@@ -100,7 +75,7 @@ def build_code2wav(ctx: StageContext) -> GenStageWorker:
 
 
 @register_pipeline("qwen2_5_omni")
-class Qwen2_5OmniPipeline:
+class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
     ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel")
 
     @classmethod
@@ -119,7 +94,7 @@ class Qwen2_5OmniPipeline:
         options = self._check_options(engine_options)
         self.talker_handoff = options["talker_handoff"]
         self.config = pipeline
-        self.roles = _roles(pipeline)
+        self.roles = stage_roles(pipeline)
         st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
         if st is None:
             raise ValueError("pipeline: a Qwen2.5-Omni pipeline needs a stage with output: text")
@@ -155,16 +130,7 @@ class Qwen2_5OmniPipeline:
         if handoff not in HANDOFFS:
             raise ValueError(f"talker_handoff: {handoff!r}; one of {HANDOFFS}")
         # code2wav_*: the code2wav stage's engine and model options (code2wav_options.py)
-        code2wav = pop_code2wav_options(opts)
-        worker = pop_stage_worker(opts)
-        return {"talker_handoff": handoff, "code2wav": code2wav, "stage_worker": worker,
-                "engine": opts}
-
-    build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
-
-    @property
-    def stage_names(self) -> list[str]:
-        return list(self.stage_order)
+        return {"talker_handoff": handoff, **cls.split_options(opts, pop_code2wav_options)}
 
     # the stage models and workers of this process (tests, benchmarks)
     @property
@@ -179,25 +145,13 @@ class Qwen2_5OmniPipeline:
     def code2wav(self) -> GenStageWorker:
         return self.workers[self.roles["code2wav"].name]
 
-    @property
-    def engines(self) -> dict[str, AREngine]:
-        return {n: w.engine for n, w in self.workers.items() if isinstance(w, ARStageWorker)}
-
     # ---------------------------------------------------------------- requests
-    def prepare(self, prompt: Any, params: dict[str, SamplingParams], modalities: list[str],
-                where: str, index: int) -> RuntimeRequest:
+    def thinker_sequence(self, processed, p: SamplingParams, index: int) -> Sequence:
+        return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
+
+    def prepare_audio(self, req: RuntimeRequest, seq: Sequence, prompt: Any,
+                      params: dict[str, SamplingParams], where: str) -> None:
         names = {role: (s.name if s else None) for role, s in self.roles.items()}
-        p = params[names["thinker"]]
-        p.validate(where.replace("prompts", "sampling_params") + f"[{names['thinker']}]",
-                   self.thinker_vocab_size)
-        seq = self._thinker_seq(prompt, p, modalities, where, index)
-        if isinstance(prompt, dict) and prompt.get("forced_reply"):
-            self._force_reply(seq, prompt["forced_reply"])
-        req = RuntimeRequest(seq.request_id, [names["thinker"]], {names["thinker"]: seq},
-                             text_stage=names["thinker"], seed=seq.seed,
-                             prompt_token_ids=list(seq.prompt_token_ids))
-        if "audio" not in modalities:
-            return req
         voice = prompt.get("voice") if isinstance(prompt, dict) else None
         voice = DEFAULT_VOICE if voice is None else voice
         if voice not in self.voices:
@@ -227,56 +181,3 @@ class Qwen2_5OmniPipeline:
         req.audio_stage, req.sample_rate = names["code2wav"], SAMPLE_RATE
         stops = set(tp.stop_token_ids)
         req.finalize = lambda out: self._finalize(out, names["talker"], stops)
-        return req
-
-    def _force_reply(self, seq: Sequence, text: str) -> None:
-        """The thinker's reply is exactly `text` (then its end token): no sampling."""
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if eos is None or eos < 0 or eos == self.tokenizer.unk_token_id:
-            eos = min(self.thinker_eos)
-        seq.forced_output_ids = ids + [eos]
-        seq.params = SamplingParams(**{**seq.params.__dict__, "temperature": 0.0,
-                                       "max_tokens": len(ids) + 1, "min_tokens": 0,
-                                       "stop": [], "ignore_eos": False})
-
-    @staticmethod
-    def _finalize(out: OmniRequestOutput, talker: str, stops: set[int]) -> None:
-        stage = out.stages.get(talker)
-        if stage is not None and stage.finish_reason == "stop" and stage.token_ids \
-                and stage.token_ids[-1] in stops:  # codes without the stop code that ended them
-            stage.token_ids = stage.token_ids[:-1]
-            out.metrics.tokens_per_stage[talker] = len(stage.token_ids)
-
-    def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index) -> Sequence:
-        max_prompt = self.max_model_len - 1
-        with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
-        if not isinstance(with_av, bool):
-            raise ValueError(f"{where}.use_audio_in_video: must be true or false, got {with_av!r}")
-        try:
-            if isinstance(prompt, str):
-                processed = self.processor.process_prompt(prompt, max_prompt_tokens=max_prompt)
-            elif "messages" in prompt:
-                processed = self.processor.process(prompt["messages"],
-                                                   add_audio_system_prompt="audio" in modalities,
-                                                   max_prompt_tokens=max_prompt,
-                                                   use_audio_in_video=with_av)
-            elif "prompt" in prompt:
-                processed = self.processor.process_prompt(
-                    prompt["prompt"], prompt.get("multi_modal_data"), max_prompt_tokens=max_prompt,
-                    use_audio_in_video=with_av)
-            else:
-                processed = None
-        except ValueError as e:
-            raise ValueError(f"{where}.{e}") from e
-        if processed is not None:
-            return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
-        ids = list(prompt["prompt_token_ids"])  # raw token ids: text only
-        bad = [t for t in ids if not 0 <= t < self.thinker_vocab_size]
-        if bad:
-            raise ValueError(f"{where}.prompt_token_ids: ids {bad[:4]} outside the vocabulary")
-        if len(ids) > max_prompt:
-            raise ValueError(f"{where}: {len(ids)} tokens; max_model_len is {max_prompt + 1}")
-        return Sequence(new_request_id(index), ids, p, resolve_seed(p),
-                        mrope_positions=torch.arange(len(ids)).expand(3, -1).clone())
-

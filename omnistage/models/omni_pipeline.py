@@ -1,0 +1,144 @@
+"""What the thinker -> talker -> code2wav pipelines (Qwen2.5-Omni, Qwen3-Omni) share: the
+stages' roles read off the YAML, the KV split between stages on one GPU, option parsing, and the
+thinker half of request preparation (prompt processing, forced replies). A family subclasses
+ThinkerTalkerPipeline and adds its talker/code2wav wiring (`prepare_audio`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omnistage.config.schema import PipelineConfig, StageConfig
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.ar.sequence import Sequence
+from omnistage.outputs import OmniRequestOutput
+from omnistage.runtime.build import (StageContext, build_stage_worker, new_request_id,
+                                     resolve_seed)
+from omnistage.runtime.orchestrator import RuntimeRequest
+from omnistage.runtime.process import pop_stage_worker
+from omnistage.runtime.stage import ARStageWorker
+from omnistage.sampling_params import SamplingParams
+
+
+def stage_roles(cfg: PipelineConfig) -> dict[str, StageConfig | None]:
+    """The stages by their part, read off the YAML's outputs and inputs: the thinker gives
+    text, code2wav gives audio, the talker feeds code2wav."""
+    thinker = next((s for s in cfg.stages if s.output == "text"), None)
+    code2wav = next((s for s in cfg.stages if s.output == "audio"), None)
+    talker = None
+    if code2wav is not None and code2wav.inputs:
+        talker = cfg.stage(code2wav.inputs[0].upstream)
+    return {"thinker": thinker, "talker": talker, "code2wav": code2wav}
+
+
+def kv_fraction(ctx: StageContext, fraction: float) -> dict[str, Any]:
+    """The AR engine options; on CUDA, unless sized by the user, KV takes `fraction` of the
+    free memory. NOTE: stages share one GPU: the thinker (built first) takes a part for KV,
+    the talker a part of what is left, and the rest stays for code2wav and graphs."""
+    opts = dict(ctx.options["engine"])
+    sized = {"num_kv_blocks", "kv_cache_memory_fraction"}
+    if ctx.device.type == "cuda" \
+            and not sized & {k for k, v in opts.items() if v is not None} \
+            and not sized & {k for k, v in ctx.stage.engine.model_dump().items() if v is not None}:
+        opts["kv_cache_memory_fraction"] = fraction
+    return opts
+
+
+class ThinkerTalkerPipeline:
+    """The shared half. A subclass sets, in its __init__: config, roles, processor,
+    tokenizer, thinker_vocab_size, thinker_eos, max_model_len, default_params, stage_order,
+    workers, process_stages; and implements thinker_sequence(processed, params, index) and
+    prepare_audio(req, seq, prompt, params, where)."""
+
+    build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
+
+    @staticmethod
+    def split_options(engine_options: dict[str, Any], code2wav: Any) -> dict[str, Any]:
+        """Constructor keywords -> the stage worker kind, the code2wav options (parsed by
+        `code2wav`, a function popping its keys) and the AR engine options."""
+        opts = dict(engine_options)
+        parsed = code2wav(opts)
+        worker = pop_stage_worker(opts)
+        return {"code2wav": parsed, "stage_worker": worker, "engine": opts}
+
+    @property
+    def stage_names(self) -> list[str]:
+        return list(self.stage_order)
+
+    @property
+    def engines(self) -> dict[str, AREngine]:
+        return {n: w.engine for n, w in self.workers.items() if isinstance(w, ARStageWorker)}
+
+    def stage_model(self, role: str):
+        """The model of a stage of this process, by role (tests, benchmarks)."""
+        return self.workers[self.roles[role].name].engine.runner.model
+
+    # ---------------------------------------------------------------- requests
+    def prepare(self, prompt: Any, params: dict[str, SamplingParams], modalities: list[str],
+                where: str, index: int) -> RuntimeRequest:
+        name = self.roles["thinker"].name
+        p = params[name]
+        p.validate(where.replace("prompts", "sampling_params") + f"[{name}]",
+                   self.thinker_vocab_size)
+        seq = self._thinker_seq(prompt, p, modalities, where, index)
+        if isinstance(prompt, dict) and prompt.get("forced_reply"):
+            self._force_reply(seq, prompt["forced_reply"])
+        req = RuntimeRequest(seq.request_id, [name], {name: seq}, text_stage=name,
+                             seed=seq.seed, prompt_token_ids=list(seq.prompt_token_ids))
+        if "audio" in modalities:
+            self.prepare_audio(req, seq, prompt, params, where)
+        return req
+
+    @staticmethod
+    def _finalize(out: OmniRequestOutput, talker: str, stops: set[int]) -> None:
+        stage = out.stages.get(talker)
+        if stage is not None and stage.finish_reason == "stop" and stage.token_ids \
+                and stage.token_ids[-1] in stops:  # codes without the stop code that ended them
+            stage.token_ids = stage.token_ids[:-1]
+            if stage.codes is not None and len(stage.codes) > len(stage.token_ids):
+                stage.codes = stage.codes[:len(stage.token_ids)]
+            out.metrics.tokens_per_stage[talker] = len(stage.token_ids)
+
+    def _force_reply(self, seq: Sequence, text: str) -> None:
+        """The thinker's reply is exactly `text` (then its end token): no sampling."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if eos is None or eos < 0 or eos == self.tokenizer.unk_token_id:
+            eos = min(self.thinker_eos)
+        seq.forced_output_ids = ids + [eos]
+        seq.params = SamplingParams(**{**seq.params.__dict__, "temperature": 0.0,
+                                       "max_tokens": len(ids) + 1, "min_tokens": 0,
+                                       "stop": [], "ignore_eos": False})
+
+    def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index) -> Sequence:
+        max_prompt = self.max_model_len - 1
+        with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
+        if not isinstance(with_av, bool):
+            raise ValueError(f"{where}.use_audio_in_video: must be true or false, got {with_av!r}")
+        try:
+            if isinstance(prompt, str):
+                processed = self.processor.process_prompt(prompt, max_prompt_tokens=max_prompt)
+            elif "messages" in prompt:
+                processed = self.processor.process(prompt["messages"],
+                                                   add_audio_system_prompt="audio" in modalities,
+                                                   max_prompt_tokens=max_prompt,
+                                                   use_audio_in_video=with_av)
+            elif "prompt" in prompt:
+                processed = self.processor.process_prompt(
+                    prompt["prompt"], prompt.get("multi_modal_data"), max_prompt_tokens=max_prompt,
+                    use_audio_in_video=with_av)
+            else:
+                processed = None
+        except ValueError as e:
+            raise ValueError(f"{where}.{e}") from e
+        if processed is not None:
+            return self.thinker_sequence(processed, p, index)
+        ids = list(prompt["prompt_token_ids"])  # raw token ids: text only
+        bad = [t for t in ids if not 0 <= t < self.thinker_vocab_size]
+        if bad:
+            raise ValueError(f"{where}.prompt_token_ids: ids {bad[:4]} outside the vocabulary")
+        if len(ids) > max_prompt:
+            raise ValueError(f"{where}: {len(ids)} tokens; max_model_len is {max_prompt + 1}")
+        return Sequence(new_request_id(index), ids, p, resolve_seed(p),
+                        mrope_positions=torch.arange(len(ids)).expand(3, -1).clone())
