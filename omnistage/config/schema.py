@@ -69,6 +69,15 @@ class SamplingDefaults(_Strict):
         return p
 
 
+class ResidualSampling(_Strict):
+    """How a multi-codebook AR stage (Qwen3-Omni's talker) draws codebooks 1..K-1 after its
+    own sampling drew codebook 0; greedy whenever that sampling is greedy."""
+
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_k: int = Field(50, ge=0, le=1 << 20)  # 0 = off
+    top_p: float = Field(0.8, gt=0, le=1)
+
+
 class StageConfig(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")
     kind: Literal["ar", "gen"]  # the engine: engine/ar (autoregressive) or engine/gen
@@ -82,6 +91,7 @@ class StageConfig(_Strict):
     engine: EngineOptions = EngineOptions()
     inputs: list[StageInput] = []
     default_sampling: SamplingDefaults = SamplingDefaults()
+    residual_sampling: ResidualSampling = ResidualSampling()  # multi-codebook stages only
     output: Literal["text", "audio"] | None = None  # the modality this stage gives the user
 
     @field_validator("device")

@@ -49,7 +49,7 @@ class ThinkerTalkerPipeline:
     """The shared half. A subclass sets, in its __init__: config, roles, processor,
     tokenizer, thinker_vocab_size, thinker_eos, max_model_len, default_params, stage_order,
     workers, process_stages; and implements thinker_sequence(processed, params, index) and
-    prepare_audio(req, seq, prompt, params, where)."""
+    prepare_audio(req, seq, processed, prompt, params, where)."""
 
     build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
 
@@ -81,13 +81,13 @@ class ThinkerTalkerPipeline:
         p = params[name]
         p.validate(where.replace("prompts", "sampling_params") + f"[{name}]",
                    self.thinker_vocab_size)
-        seq = self._thinker_seq(prompt, p, modalities, where, index)
+        seq, processed = self._thinker_seq(prompt, p, modalities, where, index)
         if isinstance(prompt, dict) and prompt.get("forced_reply"):
             self._force_reply(seq, prompt["forced_reply"])
         req = RuntimeRequest(seq.request_id, [name], {name: seq}, text_stage=name,
                              seed=seq.seed, prompt_token_ids=list(seq.prompt_token_ids))
         if "audio" in modalities:
-            self.prepare_audio(req, seq, prompt, params, where)
+            self.prepare_audio(req, seq, processed, prompt, params, where)
         return req
 
     @staticmethod
@@ -111,7 +111,9 @@ class ThinkerTalkerPipeline:
                                        "max_tokens": len(ids) + 1, "min_tokens": 0,
                                        "stop": [], "ignore_eos": False})
 
-    def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index) -> Sequence:
+    def _thinker_seq(self, prompt, p: SamplingParams, modalities, where, index
+                     ) -> tuple[Sequence, Any]:
+        """The thinker's Sequence and the processed prompt it came from (None: raw ids)."""
         max_prompt = self.max_model_len - 1
         with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
         if not isinstance(with_av, bool):
@@ -133,7 +135,7 @@ class ThinkerTalkerPipeline:
         except ValueError as e:
             raise ValueError(f"{where}.{e}") from e
         if processed is not None:
-            return self.thinker_sequence(processed, p, index)
+            return self.thinker_sequence(processed, p, index), processed
         ids = list(prompt["prompt_token_ids"])  # raw token ids: text only
         bad = [t for t in ids if not 0 <= t < self.thinker_vocab_size]
         if bad:
@@ -141,4 +143,4 @@ class ThinkerTalkerPipeline:
         if len(ids) > max_prompt:
             raise ValueError(f"{where}: {len(ids)} tokens; max_model_len is {max_prompt + 1}")
         return Sequence(new_request_id(index), ids, p, resolve_seed(p),
-                        mrope_positions=torch.arange(len(ids)).expand(3, -1).clone())
+                        mrope_positions=torch.arange(len(ids)).expand(3, -1).clone()), None

@@ -149,7 +149,7 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
     def thinker_sequence(self, processed, p: SamplingParams, index: int) -> Sequence:
         return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
 
-    def prepare_audio(self, req: RuntimeRequest, seq: Sequence, prompt: Any,
+    def prepare_audio(self, req: RuntimeRequest, seq: Sequence, processed: Any, prompt: Any,
                       params: dict[str, SamplingParams], where: str) -> None:
         names = {role: (s.name if s else None) for role, s in self.roles.items()}
         voice = prompt.get("voice") if isinstance(prompt, dict) else None

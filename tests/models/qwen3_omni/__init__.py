@@ -1,0 +1,1 @@
+"""Tests of the Qwen3-Omni model code."""
