@@ -13,7 +13,7 @@ from pathlib import Path
 from omnistage.config import env
 from omnistage.sampling_params import SamplingParams
 
-EMBEDDED_MODEL_NAME = "tiny-qwen2.5-omni"
+EMBEDDED_MODEL_NAME = "tiny-qwen2.5-omni"  # the default embedded model
 # omnistage/assets/question.wav: `espeak-ng -v en-us -s 150` of this text, 16 kHz mono PCM16
 DEMO_QUESTION = "What is the capital of France?"
 DEMO_ASSET = "question.wav"
@@ -24,6 +24,17 @@ def embedded_tiny_omni() -> Path:
     (config.env.cache_dir())."""
     from omnistage.testing.tiny_omni import build_tiny_omni
     return build_tiny_omni(env.cache_dir() / "tiny-qwen2_5-omni")
+
+
+def embedded_tiny_qwen3_omni() -> Path:
+    """The embedded tiny random Qwen3-Omni (MoE thinker and talker, 16-codebook code2wav)."""
+    from omnistage.testing.tiny_qwen3_omni import build_tiny_qwen3_omni
+    return build_tiny_qwen3_omni(env.cache_dir() / "tiny-qwen3-omni")
+
+
+# embedded tiny random models by name: `demo --model NAME`, `serve NAME`
+EMBEDDED_MODELS = {"tiny-qwen2.5-omni": ("Qwen2.5-Omni", embedded_tiny_omni),
+                   "tiny-qwen3-omni": ("Qwen3-Omni", embedded_tiny_qwen3_omni)}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -109,7 +120,8 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from omnistage import OmniLLM
     t0 = time.perf_counter()
-    path = embedded_tiny_omni()
+    family, build = EMBEDDED_MODELS[args.model]
+    path = build()
     t_build = time.perf_counter() - t0
     llm = OmniLLM(str(path), device=args.device)
     t_load = time.perf_counter() - t0 - t_build
@@ -128,7 +140,7 @@ def cmd_demo(args) -> int:
     _write_wav(args.output, out.audio, out.sample_rate)
     seconds = len(out.audio) / out.sample_rate
     m = out.metrics
-    print(f"model: the embedded tiny random Qwen2.5-Omni at {path} (built/reused in "
+    print(f"model: the embedded tiny random {family} at {path} (built/reused in "
           f"{t_build:.2f} s, loaded in {t_load:.2f} s, device {llm.device})")
     print(f"asked (spoken, {DEMO_ASSET}): {DEMO_QUESTION!r}")
     print(f"reply text: {out.text!r}")
@@ -164,11 +176,12 @@ def cmd_serve(args) -> int:
         allow_remote_media=args.allow_remote_media, allow_local_media=args.allow_local_media,
         max_audio_seconds=args.max_audio_seconds, shutdown_timeout=args.shutdown_timeout)
     config.validate()  # before any model loading
-    model = args.model
-    if model is None:
-        logging.getLogger("omnistage.server").info("no MODEL given: serving the embedded tiny "
-                                                   "random Qwen2.5-Omni (noise, for trying out)")
-        model = str(embedded_tiny_omni())
+    model = args.model or EMBEDDED_MODEL_NAME
+    if model in EMBEDDED_MODELS:
+        family, build = EMBEDDED_MODELS[model]
+        logging.getLogger("omnistage.server").info(
+            "serving the embedded tiny random %s %r (noise, for trying out)", family, model)
+        model = str(build())
     llm = AsyncOmniLLM(model, request_timeout=args.request_timeout, **_engine_kwargs(args))
     run_server(llm, config, args.host, args.port, log_level=args.log_level,
                access_log=args.access_log)
@@ -181,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (chat, audio speech, metrics)")
-    s.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub id "
-                   "(default: the embedded tiny Qwen2.5-Omni)")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory, hub id, or "
+                   f"an embedded tiny model ({', '.join(EMBEDDED_MODELS)}; default "
+                   f"{EMBEDDED_MODEL_NAME})")
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -219,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(g)
 
     d = sub.add_parser("demo", help="everything on an embedded tiny model, no download")
+    d.add_argument("--model", default=EMBEDDED_MODEL_NAME, choices=list(EMBEDDED_MODELS),
+                   help="which embedded tiny random model")
     d.add_argument("--device", default="cpu")
     d.add_argument("--output", default="omnistage-demo-reply.wav", help="reply WAV path")
     d.add_argument("--max-tokens", type=int, default=32)

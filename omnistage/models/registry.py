@@ -79,6 +79,7 @@ def import_all_models() -> None:
     _import_builtin_models()
     from omnistage.models import causal_lm  # noqa: F401
     from omnistage.models.qwen2_5_omni import pipeline  # noqa: F401
+    from omnistage.models.qwen3_omni import pipeline as _qwen3_omni  # noqa: F401
 
 
 def resolve_pipeline(config: dict) -> type:

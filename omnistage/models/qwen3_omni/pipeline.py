@@ -1,0 +1,213 @@
+"""Qwen3-Omni's pipeline: thinker (AR, MoE) -> talker (AR, MoE, 16 codebooks per step) ->
+code2wav (generation, stateful streaming), built from the pipeline YAML (built-in:
+config/pipelines/qwen3_omni.yaml). The Thinking and Captioner checkpoints (no talker) run the
+thinker only.
+
+prepare() validates and processes one prompt (ids, encoder features, 3-axis positions,
+speaker, seeds) and wires its routes: thinker rows -> the talker's adapter, talker frames ->
+code2wav."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from omnistage.checkpoint import eos_token_ids, iter_tensors, load_generation_config
+from omnistage.config.schema import PipelineConfig
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.gen import GenStageWorker
+from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, kv_fraction, stage_roles
+from omnistage.models.qwen3_omni.code2wav_stage import (SAMPLE_RATE, Qwen3OmniCode2WavRequest,
+                                                        pop_code2wav_options)
+from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor
+from omnistage.models.qwen3_omni.rope_index import Qwen3OmniRopeConfig, talker_positions
+from omnistage.models.qwen3_omni.talker import (Qwen3OmniTalkerForCausalLM, ResidualSampling,
+                                                talker_default_params, talker_sequence)
+from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM, thinker_sequence
+from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
+from omnistage.runtime.build import (StageContext, build_model, build_stages,
+                                     generation_defaults, new_request_id, resolve_seed,
+                                     stage_engine_config)
+from omnistage.runtime.orchestrator import RuntimeRequest
+from omnistage.runtime.stage import ARStageWorker, StageLink
+from omnistage.sampling_params import SamplingParams
+
+DEFAULT_VOICE = "Ethan"  # transformers' generate default speaker
+
+
+def has_talker(config: dict) -> bool:
+    """Whether the checkpoint speaks (the Thinking / Captioner ones have no talker)."""
+    return bool(config.get("enable_audio_output", True) and config.get("talker_config")
+                and config.get("code2wav_config"))
+
+
+@register_stage("Qwen3OmniMoeThinker", "ar")
+def build_thinker(ctx: StageContext) -> ARStageWorker:
+    model_cfg = ctx.config["thinker_config"]
+    tokenizer = Qwen3OmniInputProcessor.from_pretrained(ctx.path).tokenizer
+    gen_cfg = load_generation_config(ctx.path)
+    model = build_model(Qwen3OmniThinkerForCausalLM, model_cfg,
+                        iter_tensors(ctx.path, ctx.prefix("thinker.")), ctx.device, ctx.dtype)
+    if has_talker(ctx.config):  # the talker reads this layer's rows at media placeholders
+        model.export_layer = ctx.config["talker_config"]["accept_hidden_layer"]
+    cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
+                              kv_fraction(ctx, 0.45), ctx.stage.engine)
+    engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
+                      eos_token_ids(gen_cfg, ctx.config, None))
+    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
+    return ARStageWorker(ctx.name, engine, priority=-2)
+
+
+@register_stage("Qwen3OmniMoeTalker", "ar")
+def build_talker(ctx: StageContext) -> ARStageWorker:
+    model_cfg = ctx.config["talker_config"]
+    model = build_model(Qwen3OmniTalkerForCausalLM, model_cfg,
+                        iter_tensors(ctx.path, ctx.prefix("talker.")), ctx.device, ctx.dtype)
+    model.residual_sampling = ResidualSampling(**ctx.stage.residual_sampling.model_dump())
+    cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
+                              kv_fraction(ctx, 0.5), ctx.stage.engine)
+    engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
+    params = ctx.stage.default_sampling.apply(talker_default_params(model_cfg))
+    # decode steps add the thinker's text rows (of the talker's width)
+    engine.runner.warmup_graphs([params], model.config.hidden_size)
+    return ARStageWorker(ctx.name, engine, priority=-1)
+
+
+@register_pipeline("qwen3_omni")
+class Qwen3OmniPipeline(ThinkerTalkerPipeline):
+    ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration",)
+
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        archs = config.get("architectures") or []
+        return any(a in cls.ARCHITECTURES for a in archs) or \
+            config.get("model_type") == "qwen3_omni_moe"
+
+    def __init__(self, path, config: dict, pipeline: PipelineConfig, device: torch.device,
+                 dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
+        thinker_cfg = config.get("thinker_config")
+        if not thinker_cfg:
+            raise ValueError(f"model: {path}/config.json has no thinker_config")
+        options = self.split_options(engine_options, pop_code2wav_options)
+        self.config = pipeline
+        self.roles = stage_roles(pipeline)
+        st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
+        if st is None:
+            raise ValueError("pipeline: a Qwen3-Omni pipeline needs a stage with output: text")
+        self.processor = Qwen3OmniInputProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        gen_cfg = load_generation_config(path)
+        text_cfg = thinker_cfg["text_config"]
+        self.thinker_vocab_size = text_cfg["vocab_size"]
+        self.thinker_eos = eos_token_ids(gen_cfg, config, None)
+        self.max_model_len = stage_engine_config(
+            text_cfg.get("max_position_embeddings", 32768), options["engine"],
+            st.engine).max_model_len
+        self.default_params: dict[str, SamplingParams] = {
+            st.name: st.default_sampling.apply(generation_defaults(gen_cfg))}
+        speaks = bool(sk and sc and has_talker(config))
+        stages = [st] + ([sk, sc] if speaks else [])
+        self.output_modalities = ["text", "audio"] if speaks else ["text"]
+        self.voices: dict[str, int] = {}
+        if speaks:
+            talker_cfg = config["talker_config"]
+            # speakers are matched case-insensitively (transformers lower-cases the name)
+            self.voices = {name.lower(): int(i) for name, i in
+                           (talker_cfg.get("speaker_id") or {}).items()}
+            if not self.voices:
+                raise ValueError("config.talker_config.speaker_id: no speakers")
+            self.talker_config = talker_cfg
+            # the talker's token ids, with the thinker's audio window (the talker has none)
+            self.talker_rope = Qwen3OmniRopeConfig.from_thinker_config(
+                talker_cfg, thinker_cfg.get("audio_config"))
+            self.talker_vocab_size = talker_cfg["text_config"]["vocab_size"]
+            self.token_ids = {
+                "im_start": config["im_start_token_id"], "user": config["user_token_id"],
+                "assistant": config["assistant_token_id"],
+                "tts_bos": config["tts_bos_token_id"], "tts_eos": config["tts_eos_token_id"],
+                "tts_pad": config["tts_pad_token_id"]}
+            self.media_token_ids = [thinker_cfg[k] for k in
+                                    ("audio_token_id", "image_token_id", "video_token_id")]
+            talker_defaults = talker_default_params(talker_cfg)
+            self.codec_specials = set(talker_defaults.suppress_token_ids)
+            self.codec_eos = talker_cfg["codec_eos_token_id"]
+            self.default_params[sk.name] = sk.default_sampling.apply(talker_defaults)
+            self.default_params[sc.name] = SamplingParams()
+        self.stage_order = [s.name for s in stages]
+        self.workers, self.process_stages = build_stages(path, config, pipeline, stages, device,
+                                                         dtype, options)
+
+    # the stage models and workers of this process (tests, benchmarks)
+    @property
+    def thinker(self) -> Qwen3OmniThinkerForCausalLM:
+        return self.stage_model("thinker")
+
+    @property
+    def talker(self) -> Qwen3OmniTalkerForCausalLM:
+        return self.stage_model("talker")
+
+    @property
+    def code2wav(self) -> GenStageWorker:
+        return self.workers[self.roles["code2wav"].name]
+
+    @property
+    def engines_by_role(self) -> dict[str, AREngine]:
+        return {role: self.workers[s.name].engine for role, s in self.roles.items()
+                if s is not None and isinstance(self.workers.get(s.name), ARStageWorker)}
+
+    # ---------------------------------------------------------------- requests
+    def thinker_sequence(self, processed, p: SamplingParams, index: int) -> Sequence:
+        return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
+
+    def prepare_audio(self, req: RuntimeRequest, seq: Sequence, processed: Any, prompt: Any,
+                      params: dict[str, SamplingParams], where: str) -> None:
+        names = {role: (s.name if s else None) for role, s in self.roles.items()}
+        voice = prompt.get("voice") if isinstance(prompt, dict) else None
+        voice = DEFAULT_VOICE if voice is None else voice
+        if not isinstance(voice, str) or voice.lower() not in self.voices:
+            raise ValueError(f"{where}.voice: {voice!r} is not available; voices: "
+                             f"{sorted(self.voices)}")
+        tp = params[names["talker"]]
+        tp.validate(where.replace("prompts", "sampling_params") + f"[{names['talker']}]",
+                    self.talker_vocab_size)
+        # the codec's special ids are never codes (code2wav could not decode them): suppressed
+        # and eos a stop whatever the request's talker params say
+        tp = dataclasses.replace(
+            tp, suppress_token_ids=sorted(set(tp.suppress_token_ids) | self.codec_specials),
+            stop_token_ids=sorted(set(tp.stop_token_ids) | {self.codec_eos}))
+        tseed = tp.seed if tp.seed is not None else seq.seed + 1
+        c = self.talker_config
+        codec_ids = [c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"],
+                     self.voices[voice.lower()], c["codec_pad_id"], c["codec_bos_id"]]
+        try:
+            adapter = ADAPTER_REGISTRY[self.roles["talker"].inputs[0].adapter](
+                list(seq.prompt_token_ids), self.media_token_ids, self.token_ids, codec_ids)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        seq.export_hidden = True
+        positions, delta = None, 0  # a prompt without media: sequential, as transformers does
+        if processed is not None and processed.media:
+            positions, delta = talker_positions(
+                list(seq.prompt_token_ids), adapter.user.tolist(), self.token_ids["tts_pad"],
+                processed, self.talker_rope)
+        talker_seq = talker_sequence(seq.request_id, adapter, c["codec_pad_id"], positions,
+                                     delta, tp, tseed)
+        to_code2wav = ADAPTER_REGISTRY[self.roles["code2wav"].inputs[0].adapter](self.codec_eos)
+        req.path += [names["talker"], names["code2wav"]]
+        req.stage_requests.update({names["talker"]: talker_seq,
+                                   names["code2wav"]: Qwen3OmniCode2WavRequest()})
+        req.links = [StageLink(names["thinker"], names["talker"], adapter),
+                     StageLink(names["talker"], names["code2wav"], to_code2wav)]
+        req.audio_stage, req.sample_rate = names["code2wav"], SAMPLE_RATE
+        stops = set(tp.stop_token_ids)
+        req.finalize = lambda out: self._finalize_frames(out, names["talker"], stops)
+
+    def _finalize_frames(self, out, talker: str, stops: set[int]) -> None:
+        """Codebook 0 without its stop code; `codes` = the frames that became audio."""
+        self._finalize(out, talker, stops)
+        stage = out.stages.get(talker)
+        if stage is not None and stage.codes is not None and stage.finish_reason == "length":
+            stage.codes = stage.codes[:-1]

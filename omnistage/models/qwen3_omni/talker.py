@@ -1,0 +1,424 @@
+"""Qwen3-Omni talker on the AR engine: a MoE LM over codec codes whose every step also runs the
+code predictor (codebooks 1..K-1 of the frame, inside the engine step), and the thinker ->
+talker adapter that feeds it.
+
+NOTE (the handoff, as transformers' generate builds it): the talker's prompt is
+  - the user turns of the thinker prompt (system and earlier assistant turns dropped): at
+    audio/image/video placeholders the thinker's hidden state of layer `accept_hidden_layer`
+    through `hidden_projection`, elsewhere the thinker's token embedding through
+    `text_projection`;
+  - 9 assistant rows: text_projection(embedding) of `<|im_start|>`, `assistant`, `\\n`; then
+    <tts_pad> + codec nothink / think_bos / think_eos / speaker, <tts_bos> + codec pad, and
+    the first reply token + codec bos (so the talker starts after the thinker's first token).
+Decode step j feeds frame j (codebook 0's embedding + the sum of codebooks 1..K-1's code
+predictor embeddings: the engine adds those) plus text row j: the embedding of reply token
+j + 1 through text_projection, <tts_eos> in place of the reply's last token, <tts_pad> after.
+Reply rows are token embeddings, not hidden states, so a reply token's row exists as soon as
+the thinker samples it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
+from omnistage.engine.ar.sampler import SamplingTensors, sample
+from omnistage.engine.ar.sequence import Sequence
+from omnistage.layers.moe_decoder import MoEDecoderConfig, MoEDecoderModel, load_named_tensors
+from omnistage.models.registry import register_adapter, register_model
+from omnistage.sampling_params import SamplingParams
+
+ALWAYS_READY = 1 << 40
+NUM_ASSISTANT_ROWS = 9
+# the code predictor's draws are keyed apart from codebook 0's (same request seed)
+_RESIDUAL_SEED_SALT = 0x5BD1E995
+
+
+@dataclass(frozen=True)
+class ResidualSampling:
+    """How the code predictor draws codebooks 1..K-1 (transformers' subtalker defaults);
+    greedy whenever the talker's own sampling is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.8
+
+
+class ResizeMLP(nn.Module):
+    """thinker width -> talker width: linear_fc1, SiLU, linear_fc2 (both with bias)."""
+
+    def __init__(self, in_dim: int, mid_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(in_dim, mid_dim)
+        self.linear_fc2 = nn.Linear(mid_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class CodePredictor(nn.Module):
+    """Checkpoint names (after `talker.code_predictor.`): model.layers.*, model.norm,
+    model.codec_embedding.{i} (codebook i+1's embedding), lm_head.{i} (predicts codebook
+    i+1). A fresh context per frame: [talker hidden, codebook-0 embedding, codebooks 1.. as
+    drawn], so it runs with a small dense KV cache of its own, not the engine's paged one."""
+
+    def __init__(self, cfg: dict, num_code_groups: int) -> None:
+        super().__init__()
+        self.config = MoEDecoderConfig.from_hf(dict(cfg, num_experts=0))
+        c = self.config
+        self.num_residuals = num_code_groups - 1
+        self.model = MoEDecoderModel(c, embed_tokens=False)
+        self.model.codec_embedding = nn.ModuleList(
+            nn.Embedding(c.vocab_size, c.hidden_size) for _ in range(self.num_residuals))
+        self.lm_head = nn.ModuleList(nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+                                     for _ in range(self.num_residuals))
+
+    def _layers(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> torch.Tensor:
+        """x [N, t, D] at positions pos..pos+t-1 -> normed hidden [N, t, D]; K/V written to
+        the caches [layers, N, max_len, Hkv, hd]."""
+        N, t, D = x.shape
+        positions = torch.arange(pos, pos + t, device=x.device)
+        cos, sin = self.model.rotary_emb(positions.repeat(N))
+        h = x.reshape(N * t, D)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.qkv(h, cos, sin)
+            k_cache[i, :, pos:pos + t] = k.reshape(N, t, *k.shape[1:])
+            v_cache[i, :, pos:pos + t] = v.reshape(N, t, *v.shape[1:])
+            qh = q.reshape(N, t, *q.shape[1:]).transpose(1, 2)  # [N, H, t, hd]
+            kh = k_cache[i, :, :pos + t].transpose(1, 2)
+            vh = v_cache[i, :, :pos + t].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=t > 1 and pos == 0,
+                                               enable_gqa=True)
+            h = layer.attn_out_mlp(h, o.transpose(1, 2).reshape(N * t, *q.shape[1:]))
+        return self.model.norm(h).reshape(N, t, D)
+
+    def generate(self, hidden: torch.Tensor, first_embed: torch.Tensor,
+                 sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, D] (the talker's normed last hidden), first_embed [N, D] (codebook 0's
+        embedding) -> (codes [N, K-1] long, the sum of their embeddings [N, D]).
+        sampling.step holds each row's base step; inner draw j uses step + j."""
+        c = self.config
+        N, K1 = hidden.shape[0], self.num_residuals
+        cache_shape = (len(self.model.layers), N, K1 + 1, c.num_key_value_heads, c.head_dim)
+        k_cache = hidden.new_empty(cache_shape)
+        v_cache = hidden.new_empty(cache_shape)
+        x = torch.stack([hidden, first_embed.to(hidden.dtype)], dim=1)
+        pos, base_step = 0, sampling.step
+        codes, embed_sum = [], torch.zeros_like(hidden)
+        for j in range(K1):
+            h = self._layers(x, pos, k_cache, v_cache)[:, -1]
+            pos += x.shape[1]
+            sampling.step = base_step + j
+            code = sample(self.lm_head[j](h).float(), sampling)
+            codes.append(code)
+            emb = self.model.codec_embedding[j](code)
+            embed_sum = embed_sum + emb
+            x = emb[:, None]
+        sampling.step = base_step
+        return torch.stack(codes, dim=1), embed_sum
+
+
+@register_model("Qwen3OmniMoeTalker")
+class Qwen3OmniTalkerForCausalLM(nn.Module):
+    """Checkpoint names (after `talker.`): model.codec_embedding, model.layers.*, model.norm,
+    codec_head, text_projection.*, hidden_projection.*, code_predictor.*."""
+
+    def __init__(self, talker_config: dict) -> None:
+        super().__init__()
+        text = talker_config["text_config"]
+        # transformers interleaves the talker's mrope whatever the config flags say
+        self.config = MoEDecoderConfig.from_hf(text, mrope_interleaved=True)
+        c = self.config
+        self.talker_config = talker_config
+        self.model = MoEDecoderModel(c, embed_tokens=False)
+        self.model.codec_embedding = nn.Embedding(c.vocab_size, c.hidden_size)
+        thinker_dim = talker_config["thinker_hidden_size"]
+        self.text_projection = ResizeMLP(thinker_dim, text["intermediate_size"], c.hidden_size)
+        self.hidden_projection = ResizeMLP(thinker_dim, text["intermediate_size"], c.hidden_size)
+        self.codec_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.num_code_groups = talker_config["num_code_groups"]
+        self.code_predictor = CodePredictor(talker_config["code_predictor_config"],
+                                            self.num_code_groups)
+        self.residual_sampling = ResidualSampling()
+
+    # ---------------------------------------------------------------- engine contract
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.codec_embedding(input_ids)
+
+    def embed_row(self, token_id: int) -> torch.Tensor:
+        return self.model.codec_embedding.weight[token_id]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(merge_inputs(self.embed(batch.input_ids), batch), batch)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.codec_head(hidden).float()
+
+    def predict_residuals(self, hidden: torch.Tensor, tokens: torch.Tensor, seeds: torch.Tensor,
+                          steps: torch.Tensor, greedy: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's multi-codebook hook: codebooks 1..K-1 of the frames whose codebook 0
+        (tokens [N]) was just sampled from hidden [N, D]; -> (codes [N, K-1], their summed
+        embeddings [N, D], which the engine adds when the token is fed)."""
+        s, N, dev = self.residual_sampling, tokens.shape[0], tokens.device
+        temperature = torch.where(greedy, 0.0, s.temperature).float()
+        sampling = SamplingTensors(
+            temperature=temperature, top_k=torch.full((N,), s.top_k, device=dev),
+            top_p=torch.full((N,), s.top_p, device=dev), min_p=torch.zeros(N, device=dev),
+            seed=seeds ^ _RESIDUAL_SEED_SALT, step=steps * self.num_code_groups,
+            all_greedy=bool(greedy.all()) or s.temperature == 0,
+            any_top_k=s.top_k > 0, any_top_p=s.top_p < 1, any_min_p=False)
+        return self.code_predictor.generate(hidden, self.embed(tokens), sampling)
+
+    def load_weights(self, tensors) -> None:
+        load_named_tensors(self, tensors)
+
+    # ---------------------------------------------------------------- handoff rows
+    def project_prompt(self, user_rows: torch.Tensor, user_mm: torch.Tensor,
+                       assistant_embeds: torch.Tensor, specials: torch.Tensor,
+                       codec_ids: list[int]) -> torch.Tensor:
+        """The talker prompt rows [U + 9, D]: user_rows [U, Dt] (hidden at user_mm, else
+        embeddings), assistant_embeds [4, Dt] (`<|im_start|>`, `assistant`, `\\n`, first reply
+        token), specials [3, Dt] (tts bos, eos, pad embeddings), codec_ids: nothink,
+        think_bos, think_eos, speaker, codec pad, codec bos."""
+        dt = self.codec_head.weight.dtype
+        rows = torch.empty(user_rows.shape[0], self.config.hidden_size, device=user_rows.device,
+                           dtype=dt)
+        mm = user_mm.to(user_rows.device)
+        if bool(mm.any()):
+            rows[mm] = self.hidden_projection(user_rows[mm].to(dt))
+        if not bool(mm.all()):
+            rows[~mm] = self.text_projection(user_rows[~mm].to(dt))
+        text = self.text_projection(assistant_embeds.to(dt))
+        tts_bos, _, tts_pad = self.text_projection(specials.to(dt)).unbind(0)
+        codec = self.embed(torch.tensor(codec_ids, device=rows.device))
+        assistant = torch.stack([text[0], text[1], text[2], tts_pad + codec[0],
+                                 tts_pad + codec[1], tts_pad + codec[2], tts_pad + codec[3],
+                                 tts_bos + codec[4], text[3] + codec[5]])
+        return torch.cat([rows, assistant])
+
+
+def talker_default_params(talker_config: dict) -> SamplingParams:
+    """transformers' talker defaults: the 1024 special codec ids suppressed except eos."""
+    vocab = talker_config["text_config"]["vocab_size"]
+    eos = talker_config["codec_eos_token_id"]
+    return SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
+                          max_tokens=4096, stop_token_ids=[eos],
+                          suppress_token_ids=[i for i in range(max(vocab - 1024, 0), vocab)
+                                              if i != eos])
+
+
+@dataclass
+class ThinkerRows:
+    """Thinker -> talker message. prompt: (first position, raw rows [n, Dt]: the thinker's
+    accept-layer hidden at media placeholders, its token embedding elsewhere); reply: token
+    embeddings [k, Dt] of new reply tokens, in order; specials: embeddings of <tts_bos>,
+    <tts_eos>, <tts_pad> [3, Dt] (sent once)."""
+
+    prompt: tuple[int, torch.Tensor] | None
+    reply: torch.Tensor | None
+    specials: torch.Tensor | None
+    finished: bool
+
+
+@dataclass
+class TalkerFrames:
+    """Talker -> code2wav message: new frames [n, K] (int64, CPU; the eos frame removed)."""
+
+    codes: torch.Tensor
+    finished: bool
+
+
+def user_positions(prompt_ids: list[int], im_start_id: int, user_id: int) -> list[int]:
+    """Prompt positions inside user turns (a position belongs to the turn whose
+    `<|im_start|>` last precedes it, the role being the token after that)."""
+    out, role = [], None
+    for i, t in enumerate(prompt_ids):
+        if t == im_start_id:
+            role = prompt_ids[i + 1] if i + 1 < len(prompt_ids) else None
+        if role == user_id:
+            out.append(i)
+    return out
+
+
+def assistant_start(prompt_ids: list[int], im_start_id: int, assistant_id: int) -> int | None:
+    """Index of the last `<|im_start|>assistant` (the reply's turn), None without one."""
+    for i in range(len(prompt_ids) - 2, -1, -1):
+        if prompt_ids[i] == im_start_id and prompt_ids[i + 1] == assistant_id:
+            return i
+    return None
+
+
+@register_adapter("qwen3_omni_thinker_to_talker")
+class Qwen3OmniThinkerToTalker:
+    """One request's thinker -> talker handoff (module note). `send` runs beside the thinker
+    (its embedding table, its exported accept-layer rows), `receive` and the InputSource side
+    (ready/rows) beside the talker (its projections). Built from plain data, so it pickles to
+    stage processes; rows stay on device."""
+
+    def __init__(self, prompt_ids: list[int], media_token_ids: list[int], ids: dict[str, int],
+                 codec_ids: list[int]) -> None:
+        P = len(prompt_ids)
+        self.prompt_len = P
+        self.prompt_ids = list(prompt_ids)
+        media = set(media_token_ids)
+        self.media_mask = torch.tensor([t in media for t in prompt_ids], dtype=torch.bool)
+        self.user = torch.tensor(user_positions(prompt_ids, ids["im_start"], ids["user"]),
+                                 dtype=torch.long)
+        start = assistant_start(prompt_ids, ids["im_start"], ids["assistant"])
+        if start is None or start + 3 != P:
+            raise ValueError("audio output needs a chat prompt that ends with the assistant "
+                             "turn's header (`<|im_start|>assistant\\n`)")
+        self.assistant = start
+        self.special_ids = [ids["tts_bos"], ids["tts_eos"], ids["tts_pad"]]
+        self.codec_ids = codec_ids
+        # thinker side
+        self.sent_specials = False
+        # talker side
+        self.raw_prompt: torch.Tensor | None = None  # [P, Dt]
+        self.num_raw = 0
+        self.reply_raw: list[torch.Tensor] = []  # embeddings of reply tokens 0.. [Dt]
+        self.specials: torch.Tensor | None = None
+        self.prompt_rows: torch.Tensor | None = None  # [talker prompt len, D]
+        self.text_rows: list[torch.Tensor] = []  # decode step j's text row (projected)
+        self.eos_row = self.pad_row = None
+        self.thinker_finished = False
+
+    @property
+    def talker_prompt_len(self) -> int:
+        return len(self.user) + NUM_ASSISTANT_ROWS
+
+    # ---------------------------------------------------------------- thinker side
+    @torch.inference_mode()
+    def send(self, ev, thinker_worker) -> ThinkerRows | None:
+        """A thinker StageEvent -> its prompt rows (prefill chunks) and reply embeddings."""
+        model = thinker_worker.engine.runner.model
+        device = model.embed_row(0).device
+        prompt = reply = specials = None
+        if ev.hidden is not None and ev.hidden[0] < self.prompt_len:
+            start, hidden = ev.hidden
+            n = min(hidden.shape[0], self.prompt_len - start)
+            emb = model.embed(torch.tensor(self.prompt_ids[start:start + n], device=device))
+            exported = model.exported_rows(hidden[:n]).to(emb.dtype)
+            mm = self.media_mask[start:start + n].to(device)
+            prompt = (start, torch.where(mm[:, None], exported, emb))
+        if ev.token_ids:
+            reply = model.embed(torch.tensor(ev.token_ids, device=device))
+        if not self.sent_specials and (prompt is not None or reply is not None):
+            specials = model.embed(torch.tensor(self.special_ids, device=device))
+            self.sent_specials = True
+        if prompt is None and reply is None and not ev.finished:
+            return None
+        return ThinkerRows(prompt, reply, specials, ev.finished)
+
+    # ---------------------------------------------------------------- talker side
+    @torch.inference_mode()
+    def receive(self, request_id: str, msg: ThinkerRows, talker_worker) -> None:
+        talker = talker_worker.engine.runner.model
+        if msg.specials is not None:
+            self.specials = msg.specials
+            _, self.eos_row, self.pad_row = talker.text_projection(
+                msg.specials.to(talker.codec_head.weight.dtype)).unbind(0)
+        if msg.prompt is not None:
+            start, rows = msg.prompt
+            if self.raw_prompt is None:
+                self.raw_prompt = rows.new_zeros(self.prompt_len, rows.shape[-1])
+            self.raw_prompt[start:start + rows.shape[0]] = rows
+            self.num_raw = max(self.num_raw, start + rows.shape[0])
+        finished_now = msg.finished and not self.thinker_finished
+        self.thinker_finished = self.thinker_finished or msg.finished
+        if msg.reply is not None:
+            self.reply_raw.extend(msg.reply.unbind(0))
+        if self.prompt_rows is None and self.num_raw >= self.prompt_len and self.reply_raw \
+                and self.specials is not None:
+            a = self.assistant
+            user = self.user.to(self.raw_prompt.device)
+            assistant = torch.cat([self.raw_prompt[a:a + 3], self.reply_raw[0][None]])
+            self.prompt_rows = talker.project_prompt(
+                self.raw_prompt[user], self.media_mask[self.user], assistant, self.specials,
+                self.codec_ids)
+        # text rows: reply token j + 1 for decode step j; the reply's last token -> <tts_eos>
+        new = self.reply_raw[1 + len(self.text_rows):]
+        if new:
+            self.text_rows.extend(talker.text_projection(
+                torch.stack(new).to(talker.codec_head.weight.dtype)).unbind(0))
+        if finished_now and self.text_rows and len(self.reply_raw) > 1:
+            self.text_rows[-1] = self.eos_row
+
+    def ready(self, seq: Sequence) -> int:
+        if self.prompt_rows is None:
+            return 0
+        if self.thinker_finished:
+            return ALWAYS_READY
+        return self.talker_prompt_len + len(self.text_rows)
+
+    def rows(self, seq: Sequence, start: int, end: int
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        Pt, R = self.talker_prompt_len, len(self.text_rows)
+        parts = []
+        for pos in range(start, end):
+            if pos < Pt:
+                parts.append(self.prompt_rows[pos])
+            else:
+                j = pos - Pt
+                parts.append(self.text_rows[j] if j < R else
+                             self.eos_row if j == R and R == 0 else self.pad_row)
+        rows = parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+        if start >= Pt:  # decode steps: text rows are added to the codec embeddings
+            return rows, None
+        return rows, torch.arange(start, end, device=rows.device) < Pt
+
+
+@register_adapter("qwen3_omni_talker_to_code2wav")
+class Qwen3OmniTalkerToCode2Wav:
+    """Forwards a talker request's frames (all codebooks) to code2wav; the eos frame is not
+    audio."""
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos = eos_token_id
+
+    def send(self, ev, talker_worker) -> TalkerFrames | None:
+        frames = [f for f in ev.codes if f[0] != self.eos]
+        if ev.finished and ev.finish_reason == "length" and frames:
+            # as transformers: a frame's codebooks 1.. come with the next step, which a talker
+            # cut at max_tokens never runs, so its last frame is not audio
+            frames = frames[:-1]
+        if not frames and not ev.finished:
+            return None
+        codes = torch.tensor(frames, dtype=torch.long) if frames else \
+            torch.zeros(0, talker_worker.engine.runner.model.num_code_groups, dtype=torch.long)
+        return TalkerFrames(codes, ev.finished)
+
+    def receive(self, request_id: str, msg: TalkerFrames, code2wav_worker) -> None:
+        code2wav_worker.add_input(request_id, msg.codes, msg.finished)
+
+
+def talker_sequence(request_id: str, adapter: Qwen3OmniThinkerToTalker, codec_pad_id: int,
+                    positions: torch.Tensor | None, rope_delta: int, params: SamplingParams,
+                    seed: int) -> Sequence:
+    """The talker request of a thinker request (fed by `adapter`): its prompt ids are
+    placeholders (every prompt row is replaced), which the repetition penalty skips, as
+    transformers' talker penalises generated codes only. positions: [3, talker prompt len]
+    (None: sequential)."""
+    n = adapter.talker_prompt_len
+    if positions is None:
+        positions = torch.arange(n).expand(3, -1).clone()
+    return Sequence(request_id, [codec_pad_id] * n, params, seed, mrope_positions=positions,
+                    rope_delta=rope_delta, input_source=adapter, cacheable=False,
+                    penalize_prompt=False)
