@@ -9,6 +9,7 @@ processor's own parity with transformers' processor is test_processor.py's."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -106,10 +107,12 @@ class HFReference:
     def generate(self, processed, voice: str = "Ethan", talker_max: int = TALKER_MAX):
         kw = self.inputs(processed)
         self.codes.clear()
-        seqs, wav = self.model.generate(
-            **kw, speaker=voice, thinker_eos_token_id=TINY_QWEN3_OMNI_EOS,
-            thinker_max_new_tokens=THINKER_MAX, thinker_do_sample=False,
-            talker_do_sample=False, talker_max_new_tokens=talker_max)
+        with warnings.catch_warnings():  # its talker's repetition penalty note
+            warnings.simplefilter("ignore", UserWarning)
+            seqs, wav = self.model.generate(
+                **kw, speaker=voice, thinker_eos_token_id=TINY_QWEN3_OMNI_EOS,
+                thinker_max_new_tokens=THINKER_MAX, thinker_do_sample=False,
+                talker_do_sample=False, talker_max_new_tokens=talker_max)
         P = kw["input_ids"].shape[1]
         codes = self.codes[0][0].T if self.codes else torch.zeros(0, 16, dtype=torch.long)
         return seqs[0, P:].tolist(), codes, wav.reshape(-1)
@@ -150,6 +153,25 @@ def test_tokens_codes_and_waveform_equal_transformers(hf, llm, case):
     ref = hf.generate(processed(llm, msgs))
     out = llm.generate({"messages": msgs}, greedy(), use_tqdm=False)[0]
     check_equal(out, ref, case)
+
+
+def test_video_with_its_audio_track_equals_transformers(hf, llm):
+    """use_audio_in_video: the clip's soundtrack interleaved with its frames by time."""
+    from tests.models.qwen2_5_omni.test_video import _frames, mux
+    sr = 22050
+    t = np.arange(3 * sr) / sr
+    track = (0.3 * np.sin(2 * np.pi * 330 * t) * (1 + np.sin(2 * np.pi * 2 * t))).astype(
+        np.float32)
+    clip = mux(_frames(12, seed=1), track, sr=sr)
+    msgs = [{"role": "user", "content": [{"type": "video", "video": clip},
+                                         {"type": "text", "text": "What happens here?"}]}]
+    proc = llm.pipeline.processor.process(msgs, add_audio_system_prompt=True,
+                                          use_audio_in_video=True)
+    assert proc.use_audio_in_video and len(proc.audio_features) == 1
+    ref = hf.generate(proc)
+    out = llm.generate({"messages": msgs, "use_audio_in_video": True}, greedy(),
+                       use_tqdm=False)[0]
+    check_equal(out, ref, "video_audio")
 
 
 def test_mixed_batch_equals_transformers(hf, llm):
