@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +75,22 @@ def iter_tensors(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tens
             for name in f.keys():
                 if name.startswith(prefix):
                     yield name[len(prefix):], f.get_tensor(name)
+
+
+def dummy_tensors(model: torch.nn.Module, seed: int = 0,
+                  std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """load_format="dummy": a random tensor for every parameter of `model`, by its own name,
+    on its device and dtype: norm weights 1, other 1-D parameters 0, matrices N(0, std).
+    Each is a pure function of (seed, name), so any model holding the same names (e.g.
+    transformers' under a stage prefix) can be given the very same weights."""
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            yield name, (torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+            continue
+        g = torch.Generator(device=p.device).manual_seed(
+            (seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFFFFFFFFFF)
+        yield name, torch.randn(p.shape, generator=g, device=p.device,
+                                dtype=torch.float32).mul_(std).to(p.dtype)
 
 
 def load_tokenizer(path: Path):

@@ -14,7 +14,7 @@ from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.outputs import OmniRequestOutput
 from omnistage.runtime.build import (StageContext, build_stage_worker, new_request_id,
-                                     resolve_seed)
+                                     pop_load_options, resolve_seed)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker
@@ -60,7 +60,8 @@ class ThinkerTalkerPipeline:
         opts = dict(engine_options)
         parsed = code2wav(opts)
         worker = pop_stage_worker(opts)
-        return {"code2wav": parsed, "stage_worker": worker, "engine": opts}
+        load = pop_load_options(opts)
+        return {"code2wav": parsed, "stage_worker": worker, "engine": opts, **load}
 
     @property
     def stage_names(self) -> list[str]:

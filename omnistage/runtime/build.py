@@ -47,8 +47,35 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+LOAD_FORMATS = ("safetensors", "dummy")
+QUANTIZATIONS = (None, "fp8")
+
+
+def pop_load_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """Constructor keywords (vLLM's names): load_format "safetensors" | "dummy" (random
+    weights, seeded: benchmarks at real shapes without a checkpoint), quantization None |
+    "fp8" (MoE experts stored as float8 e4m3 with per-channel scales)."""
+    load_format = opts.pop("load_format", "safetensors")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r}; one of {LOAD_FORMATS}")
+    quantization = opts.pop("quantization", None)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {quantization!r}; one of {QUANTIZATIONS}")
+    return {"load_format": load_format, "quantization": quantization}
+
+
+def build_stage_model(cls: type, config: dict, ctx: StageContext, prefix: str):
+    """A stage's model on its device and dtype, its weights as ctx.options' load_format says
+    (the stage's tensors under `prefix`, or seeded random ones)."""
+    from omnistage.checkpoint import dummy_tensors, iter_tensors
+    dummy = ctx.options.get("load_format") == "dummy"
+    tensors = dummy_tensors if dummy else iter_tensors(ctx.path, ctx.prefix(prefix))
+    return build_model(cls, config, tensors, ctx.device, ctx.dtype)
+
+
 def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: torch.dtype):
-    """Instantiate directly on `device` in `dtype` (no fp32 copy of a 7B model), load weights."""
+    """Instantiate directly on `device` in `dtype` (no fp32 copy of a 7B model), load weights
+    (named tensors, or a function of the model giving them: checkpoint.dummy_tensors)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -56,7 +83,7 @@ def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: t
             model = cls(config)
     finally:
         torch.set_default_dtype(default)
-    model.load_weights(tensors)
+    model.load_weights(tensors(model) if callable(tensors) else tensors)
     return model.to(dtype).eval()
 
 

@@ -130,7 +130,11 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
         if handoff not in HANDOFFS:
             raise ValueError(f"talker_handoff: {handoff!r}; one of {HANDOFFS}")
         # code2wav_*: the code2wav stage's engine and model options (code2wav_options.py)
-        return {"talker_handoff": handoff, **cls.split_options(opts, pop_code2wav_options)}
+        options = cls.split_options(opts, pop_code2wav_options)
+        if options["load_format"] != "safetensors" or options["quantization"] is not None:
+            raise ValueError("load_format / quantization: Qwen2.5-Omni loads its safetensors "
+                             "weights as they are (no dummy weights, no quantization yet)")
+        return {"talker_handoff": handoff, **options}
 
     # the stage models and workers of this process (tests, benchmarks)
     @property

@@ -20,13 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.checkpoint import iter_tensors
 from omnistage.engine.gen import GenEngineConfig, GenRequest, GenStageWorker
 from omnistage.models.qwen3_omni.code2wav import (SAMPLE_RATE, Qwen3OmniCode2Wav,
                                                   Qwen3OmniCode2WavConfig,
                                                   Qwen3OmniCode2WavStreamState)
 from omnistage.models.registry import register_stage
-from omnistage.runtime.build import StageContext, build_model
+from omnistage.runtime.build import StageContext, build_stage_model
 
 
 def _check_frames(name: str, value: object) -> None:
@@ -249,6 +248,5 @@ def build_code2wav(ctx: StageContext) -> GenStageWorker:
     if "code2wav_config" not in ctx.config:
         raise ValueError(f"model: {ctx.path}/config.json has no code2wav_config")
     cfg = Qwen3OmniCode2WavConfig.from_hf(ctx.config["code2wav_config"])
-    model = build_model(Qwen3OmniCode2Wav, cfg, iter_tensors(ctx.path, ctx.prefix("code2wav.")),
-                        ctx.device, ctx.dtype)
+    model = build_stage_model(Qwen3OmniCode2Wav, cfg, ctx, "code2wav.")
     return code2wav_worker(ctx.name, model, ctx.device, engine, options)

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from omnistage.checkpoint import eos_token_ids, iter_tensors, load_generation_config
+from omnistage.checkpoint import eos_token_ids, load_generation_config
 from omnistage.config.schema import PipelineConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.gen import GenStageWorker
+from omnistage.layers.moe import SparseMoE
 from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, kv_fraction, stage_roles
 from omnistage.models.qwen3_omni.code2wav_stage import (SAMPLE_RATE, Qwen3OmniCode2WavRequest,
                                                         pop_code2wav_options)
@@ -28,7 +29,7 @@ from omnistage.models.qwen3_omni.talker import (Qwen3OmniTalkerForCausalLM, Resi
                                                 talker_default_params, talker_sequence)
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM, thinker_sequence
 from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
-from omnistage.runtime.build import (StageContext, build_model, build_stages,
+from omnistage.runtime.build import (StageContext, build_stage_model, build_stages,
                                      generation_defaults, new_request_id, resolve_seed,
                                      stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
@@ -44,13 +45,22 @@ def has_talker(config: dict) -> bool:
                 and config.get("code2wav_config"))
 
 
+def quantize_experts(model: torch.nn.Module, quantization: str | None) -> None:
+    """quantization="fp8": every MoE layer's experts (and shared expert) in float8 e4m3 with
+    per-channel scales (the routers and attention stay in the model dtype)."""
+    if quantization == "fp8":
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.quantize_fp8()
+
+
 @register_stage("Qwen3OmniMoeThinker", "ar")
 def build_thinker(ctx: StageContext) -> ARStageWorker:
     model_cfg = ctx.config["thinker_config"]
     tokenizer = Qwen3OmniInputProcessor.from_pretrained(ctx.path).tokenizer
     gen_cfg = load_generation_config(ctx.path)
-    model = build_model(Qwen3OmniThinkerForCausalLM, model_cfg,
-                        iter_tensors(ctx.path, ctx.prefix("thinker.")), ctx.device, ctx.dtype)
+    model = build_stage_model(Qwen3OmniThinkerForCausalLM, model_cfg, ctx, "thinker.")
+    quantize_experts(model, ctx.options.get("quantization"))
     if has_talker(ctx.config):  # the talker reads this layer's rows at media placeholders
         model.export_layer = ctx.config["talker_config"]["accept_hidden_layer"]
     cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
@@ -64,8 +74,8 @@ def build_thinker(ctx: StageContext) -> ARStageWorker:
 @register_stage("Qwen3OmniMoeTalker", "ar")
 def build_talker(ctx: StageContext) -> ARStageWorker:
     model_cfg = ctx.config["talker_config"]
-    model = build_model(Qwen3OmniTalkerForCausalLM, model_cfg,
-                        iter_tensors(ctx.path, ctx.prefix("talker.")), ctx.device, ctx.dtype)
+    model = build_stage_model(Qwen3OmniTalkerForCausalLM, model_cfg, ctx, "talker.")
+    quantize_experts(model, ctx.options.get("quantization"))
     model.residual_sampling = ResidualSampling(**ctx.stage.residual_sampling.model_dump())
     cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
                               kv_fraction(ctx, 0.5), ctx.stage.engine)

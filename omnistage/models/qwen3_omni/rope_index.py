@@ -167,6 +167,9 @@ def mrope_positions(
                          f"got {len(spg)}")
     cfg, merge = config, config.spatial_merge_size
     if not images and not videos:  # transformers: plain positions without vision grids
+        pads = {cfg.image_token_id, cfg.video_token_id}
+        if any(t in pads for t in ids):
+            raise ValueError("input_ids: image / video placeholders but no grid_thw entries")
         return torch.arange(len(ids)).view(1, -1).expand(3, -1).clone(), 0
     after_start = [ids[i + 1] for i, t in enumerate(ids[:-1]) if t == cfg.vision_start_token_id]
     n_image = after_start.count(cfg.image_token_id)

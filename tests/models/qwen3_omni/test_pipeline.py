@@ -252,3 +252,29 @@ def test_thinking_checkpoint_serves_text_only(tiny_qwen3_omni_thinking_dir, tiny
     with pytest.raises(ValueError, match="audio"):
         llm.generate({"messages": messages("text")}, output_modalities=["text", "audio"],
                      use_tqdm=False)
+
+
+def test_dummy_weights_and_fp8_experts(tiny_qwen3_omni_dir, tiny_omni_dir):
+    """load_format="dummy" (seeded random weights, no safetensors read) and quantization="fp8"
+    (MoE experts in e4m3): the pipeline runs; dummy weights are the same each time; FP8
+    experts stay close to the bf16/fp32 ones on the same weights."""
+    from omnistage.layers.moe import SparseMoE
+
+    params = {"thinker": SamplingParams(temperature=0, max_tokens=6, min_tokens=6,
+                                        ignore_eos=True),
+              "talker": SamplingParams(temperature=0, max_tokens=10, min_tokens=10)}
+    prompt = {"messages": messages("text")}
+    outs = []
+    for quantization in (None, None, "fp8"):
+        llm = OmniLLM(str(tiny_qwen3_omni_dir), device="cpu", load_format="dummy",
+                      quantization=quantization)
+        moe = [m for m in llm.pipeline.thinker.modules() if isinstance(m, SparseMoE)]
+        assert moe and all(m.experts.is_fp8 == (quantization == "fp8") for m in moe)
+        outs.append(llm.generate(prompt, params, use_tqdm=False)[0])
+        assert outs[-1].error is None and outs[-1].stages["talker"].codes.shape == (9, 16)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert np.array_equal(outs[0].audio, outs[1].audio)
+    with pytest.raises(ValueError, match="load_format"):
+        OmniLLM(str(tiny_qwen3_omni_dir), device="cpu", load_format="npz")
+    with pytest.raises(ValueError, match="quantization"):
+        OmniLLM(str(tiny_omni_dir), device="cpu", quantization="fp8")
