@@ -117,11 +117,11 @@ def build_tiny_qwen3_omni_tokenizer() -> Qwen2Tokenizer:
     return tok
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any], where: str) -> dict[str, Any]:
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value, f"{where}.{key}")
+            out[key] = _merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -198,7 +198,7 @@ def tiny_qwen3_omni_config_dict(tok: PreTrainedTokenizerBase, *, talker: bool = 
         if key not in cfg:
             raise ValueError(f"overrides: unknown config key {key!r} "
                              f"(expected one of {', '.join(sorted(cfg))})")
-    return _merge(cfg, overrides, "config")
+    return _merge(cfg, overrides)
 
 
 def _feature_extractor() -> WhisperFeatureExtractor:
