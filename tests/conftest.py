@@ -47,3 +47,18 @@ def tiny_omni_v5_dir(tmp_path_factory):
     from omnistage.testing.tiny_omni import build_tiny_omni
     return build_tiny_omni(tmp_path_factory.mktemp("tiny_omni_v5") / "ckpt", seed=0,
                            processor_layout="v5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_omni_dir(tmp_path_factory):
+    """Tiny Qwen3-Omni (Instruct layout: thinker + talker + code2wav, audio output on)."""
+    from omnistage.testing.tiny_qwen3_omni import build_tiny_qwen3_omni
+    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_qwen3_omni") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_omni_thinking_dir(tmp_path_factory):
+    """Tiny Qwen3-Omni Thinking / Captioner layout: thinker weights only, audio output off."""
+    from omnistage.testing.tiny_qwen3_omni import build_tiny_qwen3_omni
+    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_qwen3_omni_thinking") / "ckpt",
+                                 talker=False, seed=0)

@@ -4,6 +4,7 @@ shell), demo (everything on an embedded tiny model, no download)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -33,8 +34,11 @@ def embedded_tiny_qwen3_omni() -> Path:
 
 
 # embedded tiny random models by name: `demo --model NAME`, `serve NAME`
-EMBEDDED_MODELS = {"tiny-qwen2.5-omni": ("Qwen2.5-Omni", embedded_tiny_omni),
-                   "tiny-qwen3-omni": ("Qwen3-Omni", embedded_tiny_qwen3_omni)}
+# name -> (family, builder, the real checkpoint, talker codes per second of audio)
+EMBEDDED_MODELS = {
+    "tiny-qwen2.5-omni": ("Qwen2.5-Omni", embedded_tiny_omni, "Qwen/Qwen2.5-Omni-7B", 50.0),
+    "tiny-qwen3-omni": ("Qwen3-Omni", embedded_tiny_qwen3_omni,
+                        "Qwen/Qwen3-Omni-30B-A3B-Instruct", 12.5)}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -120,7 +124,7 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from omnistage import OmniLLM
     t0 = time.perf_counter()
-    family, build = EMBEDDED_MODELS[args.model]
+    family, build, real, codes_per_second = EMBEDDED_MODELS[args.model]
     path = build()
     t_build = time.perf_counter() - t0
     llm = OmniLLM(str(path), device=args.device)
@@ -128,9 +132,14 @@ def cmd_demo(args) -> int:
     question = (resources.files("omnistage") / "assets" / DEMO_ASSET).read_bytes()
     prompt = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": question}]}]}
     t1 = time.perf_counter()
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                              seed=args.seed),
-                       output_modalities=["text", "audio"], use_tqdm=False)[0]
+    # a random talker rarely ends on its own: its reply is capped at --max-audio-seconds
+    talker = llm.stage_names[1]
+    params = {llm.stage_names[0]: SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                                 seed=args.seed),
+              talker: dataclasses.replace(llm.pipeline.default_params[talker],
+                                          max_tokens=int(args.max_audio_seconds
+                                                         * codes_per_second))}
+    out = llm.generate(prompt, params, output_modalities=["text", "audio"], use_tqdm=False)[0]
     wall = time.perf_counter() - t1
     stats = llm.runtime.stats()
     llm.shutdown()
@@ -154,8 +163,8 @@ def cmd_demo(args) -> int:
     print("NOTE: this model has random weights, so its text is gibberish and it speaks noise; "
           "the point is the whole pipeline (audio in -> thinker -> talker -> code2wav -> WAV) "
           "running on your machine. For real answers point omnistage at a real checkpoint:\n"
-          "  omnistage generate Qwen/Qwen2.5-Omni-7B --audio question.wav --output-audio "
-          "reply.wav\n  omnistage serve Qwen/Qwen2.5-Omni-7B   (OpenAI-compatible server; "
+          f"  omnistage generate {real} --audio question.wav --output-audio "
+          f"reply.wav\n  omnistage serve {real}   (OpenAI-compatible server; "
           "see docs/quickstart.md)")
     return 0
 
@@ -178,7 +187,7 @@ def cmd_serve(args) -> int:
     config.validate()  # before any model loading
     model = args.model or EMBEDDED_MODEL_NAME
     if model in EMBEDDED_MODELS:
-        family, build = EMBEDDED_MODELS[model]
+        family, build, _, _ = EMBEDDED_MODELS[model]
         logging.getLogger("omnistage.server").info(
             "serving the embedded tiny random %s %r (noise, for trying out)", family, model)
         model = str(build())
@@ -237,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which embedded tiny random model")
     d.add_argument("--device", default="cpu")
     d.add_argument("--output", default="omnistage-demo-reply.wav", help="reply WAV path")
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--max-tokens", type=int, default=32, help="reply text tokens")
+    d.add_argument("--max-audio-seconds", type=float, default=8.0, help="reply audio cap")
     d.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -35,6 +35,20 @@ def test_demo_writes_reply_wav(tmp_path):
     assert (tmp_path / "cache" / "tiny-qwen2_5-omni" / "config.json").is_file()
 
 
+def test_demo_qwen3_omni_writes_reply_wav(tmp_path):
+    out = tmp_path / "reply.wav"
+    env = {**os.environ, "OMNISTAGE_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-m", "omnistage.entrypoints.cli", "demo", "--model",
+                        "tiny-qwen3-omni", "--output", str(out), "--max-audio-seconds", "3"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    wave, sr = soundfile.read(out, dtype="float32")
+    # at most 3 s: 37 frames, the last one cut (max_tokens) -> 36 x 1920 - 555 samples
+    assert sr == 24000 and 0 < len(wave) <= 36 * 1920 - 555 and np.abs(wave).max() > 0.01
+    assert "Qwen3-Omni" in p.stdout and "Qwen/Qwen3-Omni-30B-A3B-Instruct" in p.stdout
+    assert (tmp_path / "cache" / "tiny-qwen3-omni" / "config.json").is_file()
+
+
 def test_demo_asset_is_small_16k_mono():
     asset = resources.files("omnistage") / "assets" / "question.wav"
     info = soundfile.info(str(asset))
