@@ -200,6 +200,15 @@ class DecodeGraphs:
         self.hidden: torch.Tensor | None = None  # [M, D] forward output, outside the pool
         self.tokens = torch.zeros(M, dtype=torch.long, device=device)  # head output
         self.tokens_host = torch.zeros(2, M, dtype=torch.long, pin_memory=cuda)
+        # multi-codebook models: the head graph also runs model.predict_residuals (the inner
+        # loop of codebooks 1..K-1), its codes and summed embeddings in these buffers
+        groups = getattr(model, "num_code_groups", 1)
+        self.residual = groups > 1 and sampler is not None
+        if self.residual:
+            self.codes = torch.zeros(M, groups - 1, dtype=torch.long, device=device)
+            self.codes_host = torch.zeros(2, M, groups - 1, dtype=torch.long, pin_memory=cuda)
+            self.residual_embeds: torch.Tensor | None = None  # [M, D], at first capture
+            self.residual_ran = [False, False]  # per host buffer: its run's head drew them
         self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # forward graphs
         self.heads: dict[tuple, _Graph | None] = {}  # None: capture failed
         self.pool = None
@@ -324,6 +333,17 @@ class DecodeGraphs:
         ids = self.sampler.sample_rows(logits, slots, steps, force, flags, update=not warm)
         if not warm:
             self.tokens[:B].copy_(ids)
+        if self.residual:
+            st = self.sampler
+            codes, embeds = self.model.predict_residuals(
+                self.hidden[:B], ids, st.iparams[slots, 1], steps, st.fparams[slots, 0] == 0,
+                all_greedy=flags.all_greedy)
+            if self.residual_embeds is None:
+                self.residual_embeds = torch.zeros(self.max_size, embeds.shape[-1],
+                                                   dtype=embeds.dtype, device=self.device)
+            if not warm:
+                self.codes[:B].copy_(codes)
+                self.residual_embeds[:B].copy_(embeds)
         return ids
 
     def capture_graph(self, fn) -> _Graph | _EagerGraph:
@@ -395,6 +415,10 @@ class DecodeGraphs:
                 head.replay()
             if sampling is not None:
                 self.tokens_host[k, :n].copy_(self.tokens[:n], non_blocking=True)
+                if self.residual:
+                    self.residual_ran[k] = head is not None
+                    if head is not None:
+                        self.codes_host[k, :n].copy_(self.codes[:n], non_blocking=True)
                 self.sampled[k].record()
             else:
                 out = head.out[:n]
@@ -444,6 +468,17 @@ class DecodeGraphs:
                                        d[o["step"]:o["step"] + B].long(),
                                        d[o["force"]:o["force"] + B].long(), flags)
         self.tokens[:B].copy_(ids)
+
+    def residual_rows(self, n: int) -> torch.Tensor | None:
+        """A copy (queued now, on the current stream) of the last run's summed residual
+        embeddings [n, D]; None when its head did not draw them (eager sampler fallback)."""
+        if not self.residual or not self.residual_ran[(self.num_runs - 1) % 2]:
+            return None
+        return self.residual_embeds[:n].clone()
+
+    def sampled_codes(self, n: int, run: int) -> list[list[int]]:
+        """Codebooks 1..K-1 of run `run`'s n rows (after sampled_tokens of that run)."""
+        return self.codes_host[run % 2, :n].tolist()
 
     def sampled_tokens(self, n: int, run: int) -> list[int]:
         """The ids of run `run`'s n rows (waits for it; runs after it may be in flight)."""

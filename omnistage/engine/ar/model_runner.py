@@ -46,6 +46,7 @@ class LaunchedBatch:
     inputs: list = field(default_factory=list)
     graph_run: int = -1  # DecodeGraphs run index (where its sampled ids land)
     sample_hidden: torch.Tensor | None = None  # multi-codebook: the sampled rows' hidden
+    residual_rows: torch.Tensor | None = None  # multi-codebook, drawn in the head graph
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -235,8 +236,14 @@ class ModelRunner:
             tokens = []
         result.sampled = {seqs[r].request_id: t for r, t in zip(srows, tokens)}
         if self.code_groups > 1 and srows:
-            result.codes = self._residuals([seqs[r] for r in srows], launched.sample_hidden,
-                                           tokens)
+            if launched.residual_rows is not None:  # drawn inside the head graph
+                codes = self.graphs.sampled_codes(len(seqs), launched.graph_run)
+                for r in srows:
+                    seqs[r].residual_embeds.append(launched.residual_rows[r])
+                result.codes = {seqs[r].request_id: codes[r] for r in srows}
+            else:
+                result.codes = self._residuals([seqs[r] for r in srows],
+                                               launched.sample_hidden, tokens)
         return result
 
     def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
@@ -278,7 +285,8 @@ class ModelRunner:
             hidden, torch.tensor(tokens, device=dev),
             torch.tensor([s.seed & 0x7FFFFFFFFFFFFFFF for s in seqs], device=dev),
             torch.tensor([len(s.output_token_ids) for s in seqs], device=dev),
-            torch.tensor([s.params.greedy for s in seqs], device=dev))
+            torch.tensor([s.params.greedy for s in seqs], device=dev),
+            all_greedy=all(s.params.greedy for s in seqs))
         for seq, row in zip(seqs, embeds):
             seq.residual_embeds.append(row)
         return {s.request_id: c for s, c in zip(seqs, codes.tolist())}
@@ -312,10 +320,16 @@ class ModelRunner:
         # graph outputs are overwritten by the next replay: exported rows are cloned
         partial = StepResult({}, self._hidden_rows(batch, hidden, copy=True))
         # rows: the GPU may still read them; they live until finish()
-        sample_hidden = hidden[srows] if self.code_groups > 1 and srows else None
+        residual_rows = sample_hidden = None
+        if self.code_groups > 1 and srows:
+            # every row samples here (decode): the head graph's residual rows, or the hidden
+            # rows for the eager code predictor
+            residual_rows = self.graphs.residual_rows(len(seqs)) if step is not None else None
+            if residual_rows is None:
+                sample_hidden = hidden[srows]
         return LaunchedBatch(batch, partial=partial, sampling=step, sample_rows=srows,
                              logits=logits, inputs=rows, graph_run=run,
-                             sample_hidden=sample_hidden)
+                             sample_hidden=sample_hidden, residual_rows=residual_rows)
 
     def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
         # logits: [len(samplers), V] fp32

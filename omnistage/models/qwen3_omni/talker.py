@@ -171,18 +171,20 @@ class Qwen3OmniTalkerForCausalLM(nn.Module):
         return self.codec_head(hidden).float()
 
     def predict_residuals(self, hidden: torch.Tensor, tokens: torch.Tensor, seeds: torch.Tensor,
-                          steps: torch.Tensor, greedy: torch.Tensor
+                          steps: torch.Tensor, greedy: torch.Tensor, all_greedy: bool
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """The engine's multi-codebook hook: codebooks 1..K-1 of the frames whose codebook 0
-        (tokens [N]) was just sampled from hidden [N, D]; -> (codes [N, K-1], their summed
-        embeddings [N, D], which the engine adds when the token is fed)."""
+        (tokens [N]) was just sampled from hidden [N, D] (greedy [N]: that row's talker
+        sampling is; all_greedy: every row's, known on the host) -> (codes [N, K-1], their
+        summed embeddings [N, D], which the engine adds when the token is fed). Device work
+        only, no host sync: the engine captures it in the decode step's CUDA graph."""
         s, N, dev = self.residual_sampling, tokens.shape[0], tokens.device
         temperature = torch.where(greedy, 0.0, s.temperature).float()
         sampling = SamplingTensors(
             temperature=temperature, top_k=torch.full((N,), s.top_k, device=dev),
             top_p=torch.full((N,), s.top_p, device=dev), min_p=torch.zeros(N, device=dev),
             seed=seeds ^ _RESIDUAL_SEED_SALT, step=steps * self.num_code_groups,
-            all_greedy=bool(greedy.all()) or s.temperature == 0,
+            all_greedy=all_greedy or s.temperature == 0,
             any_top_k=s.top_k > 0, any_top_p=s.top_p < 1, any_min_p=False)
         return self.code_predictor.generate(hidden, self.embed(tokens), sampling)
 
