@@ -1,11 +1,12 @@
-"""HF checkpoint folders: resolve (local path or hub id), read configs, stream safetensors."""
+"""HF checkpoint folders: resolve (local path or hub id), read configs, stream safetensors, and
+copy named tensors into a module's parameters (`load_parameters`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -91,6 +92,51 @@ def dummy_tensors(model: torch.nn.Module, seed: int = 0,
             (seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFFFFFFFFFF)
         yield name, torch.randn(p.shape, generator=g, device=p.device,
                                 dtype=torch.float32).mul_(std).to(p.dtype)
+
+
+# buffers a module computes from its config, which some checkpoints carry as tensors
+DERIVED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
+
+def load_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], *,
+                    rename: Callable[[str], str | None] | None = None,
+                    load_special: Callable[[str, torch.Tensor], set[str] | None] | None = None,
+                    shown_prefix: str = "") -> None:
+    """Copy checkpoint tensors into `module`'s parameters by name.
+
+    rename(name): our parameter name for a checkpoint name, or None when the tensor is not
+    ours (skipped); default: the name itself. Tensors named `*rotary_emb.inv_freq` (derived
+    from the config) are skipped too.
+    load_special(ours, tensor): None for a plain parameter; otherwise it copied the tensor
+    itself and returns the parameter names that are now fully loaded (e.g. an MoE's fused
+    expert weights once every expert's matrices came).
+    ValueError naming the tensor (`shown_prefix` + its checkpoint name) for a name with no
+    parameter or a wrong shape, and naming the parameters no tensor filled."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        ours = name if rename is None else rename(name)
+        if ours is None or ours.endswith(DERIVED_TENSOR_SUFFIXES):
+            continue
+        done = None if load_special is None else load_special(ours, tensor)
+        if done is not None:
+            loaded |= done
+            continue
+        shown = f"{shown_prefix}{name}"
+        if ours not in params:
+            raise ValueError(f"checkpoint tensor {shown!r} has no matching parameter "
+                             f"({type(module).__name__} has no such parameter {ours!r})")
+        p = params[ours]
+        if p.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {shown!r}: shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor)
+        loaded.add(ours)
+    missing = sorted(f"{shown_prefix}{n}" for n in set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
 
 
 def load_tokenizer(path: Path):

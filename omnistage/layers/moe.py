@@ -217,8 +217,9 @@ class MoEExperts(nn.Module):
                              backend, self.scales)
 
 
-class SharedExpertMLP(nn.Module):
-    """down(SiLU(gate(x)) * up(x)), no biases (checkpoint names gate_proj/up_proj/down_proj)."""
+class SiluMLP(nn.Module):
+    """down(SiLU(gate(x)) * up(x)), no biases (checkpoint names gate_proj/up_proj/down_proj):
+    the shared expert, and the dense layers' MLP of layers/moe_decoder.py."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -251,10 +252,10 @@ class SparseMoE(nn.Module):
         self.backend = "auto"
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
-        self.shared_expert: SharedExpertMLP | None = None
+        self.shared_expert: SiluMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size is not None:
-            self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert = SiluMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def quantize_fp8(self) -> None:

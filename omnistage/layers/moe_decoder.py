@@ -23,11 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.checkpoint import load_parameters
 from omnistage.engine.ar.attention import paged_attention, write_kv
 from omnistage.engine.ar.interface import ForwardBatch
 from omnistage.engine.ar.kernels import KernelOptions
-from omnistage.layers.moe import MoEExperts, SparseMoE, expert_param
+from omnistage.layers.moe import MoEExperts, SiluMLP, SparseMoE, expert_param
 from omnistage.models.layers import (
+    Attention,
     RMSNorm,
     RotaryEmbedding,
     _rms_norm,
@@ -165,37 +167,14 @@ def compiled_kernels() -> dict:
 
 
 # ------------------------------------------------------------------------- modules
-class MoEAttention(nn.Module):
-    """q/k/v/o projections and the per-head q/k norms; the engine binds k_cache/v_cache."""
+class MoEAttention(Attention):
+    """q/k/v/o projections (o_proj biased as the others) and the per-head q/k norms; the
+    engine binds k_cache/v_cache."""
 
     def __init__(self, cfg: MoEDecoderConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = hd = cfg.head_dim
-        self.scale = hd ** -0.5
-        d, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        # bound by the engine: [num_blocks, block_size, n_kv, hd]
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-
-
-class SiluMLP(nn.Module):
-    """down(SiLU(gate(x)) * up(x)), no biases: the dense layers' MLP."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(cfg, o_proj_bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
 
 class MoEDecoderLayer(nn.Module):
@@ -298,39 +277,34 @@ class MoEDecoderModel(nn.Module):
 def load_named_tensors(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                        skip: Callable[[str], bool] | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters by name (after any prefix the caller
-    stripped). Per-expert names (`...experts.{e}.{gate,up,down}_proj.weight`) go through
-    MoEExperts.load_expert; fused `experts.gate_up_proj`/`down_proj` load as plain parameters.
-    skip(name) True: the tensor is not ours. ValueError on an unknown name, a wrong shape, or
-    a parameter (or expert) the tensors left out."""
-    params = dict(module.named_parameters())
+    stripped), as checkpoint.load_parameters. Per-expert names
+    (`...experts.{e}.{gate,up,down}_proj.weight`) go through MoEExperts.load_expert; fused
+    `experts.gate_up_proj`/`down_proj` load as plain parameters. skip(name) True: the tensor
+    is not ours. ValueError on an unknown name, a wrong shape, or a parameter (or expert) the
+    tensors left out."""
+    load_parameters(module, tensors,
+                    rename=None if skip is None else (lambda name: None if skip(name) else name),
+                    load_special=_per_expert_loader(module))
+
+
+def _per_expert_loader(module: nn.Module) -> Callable[[str, torch.Tensor], set[str] | None]:
+    """load_parameters' hook for per-expert checkpoint matrices: each goes into its rows of
+    the fused expert weights, which count as loaded once all 3 x num_experts matrices came."""
     modules = dict(module.named_modules())
-    loaded: set[str] = set()
-    experts_seen: dict[str, set[tuple[int, str]]] = {}
-    for name, tensor in tensors:
-        if (skip is not None and skip(name)) or name.endswith("rotary_emb.inv_freq"):
-            continue
+    seen: dict[str, set[tuple[int, str]]] = {}
+
+    def load(name: str, tensor: torch.Tensor) -> set[str] | None:
         per_expert = expert_param(name)
-        if per_expert is not None:
-            path, expert, proj = per_expert
-            experts = modules.get(path)
-            if not isinstance(experts, MoEExperts):
-                raise ValueError(f"checkpoint tensor {name!r} has no matching experts module")
-            experts.load_expert(expert, proj, tensor)
-            experts_seen.setdefault(path, set()).add((expert, proj))
-            continue
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-        p = params[name]
-        if p.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor)
-        loaded.add(name)
-    for path, seen in experts_seen.items():
-        if len(seen) == 3 * modules[path].num_experts:
-            loaded |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+        if per_expert is None:
+            return None
+        path, expert, proj = per_expert
+        experts = modules.get(path)
+        if not isinstance(experts, MoEExperts):
+            raise ValueError(f"checkpoint tensor {name!r} has no matching experts module")
+        experts.load_expert(expert, proj, tensor)
+        seen.setdefault(path, set()).add((expert, proj))
+        if len(seen[path]) < 3 * experts.num_experts:
+            return set()
+        return {f"{path}.gate_up_proj", f"{path}.down_proj"}
+
+    return load

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnistage.checkpoint import load_parameters
 from omnistage.engine.ar.attention import _triton_ok, paged_attention, write_kv
 from omnistage.engine.ar.kernels import KernelOptions
-from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
+from omnistage.engine.ar.interface import DecoderContract, ForwardBatch, merge_inputs
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,10 @@ def compiled_kernels() -> dict:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    """q/k/v/o projections (q/k/v biased as the config says, o_proj as `o_proj_bias`); the
+    engine binds k_cache/v_cache."""
+
+    def __init__(self, cfg: DecoderConfig, o_proj_bias: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -209,7 +213,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=o_proj_bias)
         # bound by the engine: [num_blocks, block_size, n_kv, hd]
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -314,7 +318,7 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(DecoderContract, nn.Module):
     """A plain causal LM on the engine's model interface (engine/ar/interface.py)."""
 
     def __init__(self, hf_config: dict) -> None:
@@ -333,25 +337,6 @@ class DecoderForCausalLM(nn.Module):
     def attention_bias(hf_config: dict) -> bool | None:
         return None  # from the config
 
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def embed_row(self, token_id: int) -> torch.Tensor:
-        """embed of one id, [D]: a view of the table's row (no id tensor, no kernel)."""
-        return self.model.embed_tokens.weight[token_id]
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(merge_inputs(self.embed(batch.input_ids), batch), batch)
 
@@ -363,24 +348,5 @@ class DecoderForCausalLM(nn.Module):
         return name
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in tensors:
-            ours = self.checkpoint_name(name)
-            if ours is None or ours.endswith("rotary_emb.inv_freq"):
-                continue
-            if ours not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-            p = params[ours]
-            if p.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(tensor)
-            loaded.add(ours)
-        if self.config.tie_word_embeddings:
-            loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
-                             f"{' ...' if len(missing) > 8 else ''}")
+        # a tied head is the embedding's parameter: named_parameters lists it once
+        load_parameters(self, tensors, rename=self.checkpoint_name)

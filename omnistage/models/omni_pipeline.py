@@ -9,15 +9,19 @@ from typing import Any
 
 import torch
 
+from omnistage.checkpoint import eos_token_ids, load_generation_config
 from omnistage.config.schema import PipelineConfig, StageConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.gen import GenStageWorker
+from omnistage.models.qwen2_5_omni.thinker import thinker_sequence
 from omnistage.outputs import OmniRequestOutput
-from omnistage.runtime.build import (StageContext, build_stage_worker, new_request_id,
-                                     pop_load_options, resolve_seed)
+from omnistage.runtime.build import (StageContext, build_stage_worker, build_stages,
+                                     generation_defaults, new_request_id, pop_load_options,
+                                     resolve_seed, stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
-from omnistage.runtime.stage import ARStageWorker
+from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
 
 
@@ -45,11 +49,39 @@ def kv_fraction(ctx: StageContext, fraction: float) -> dict[str, Any]:
     return opts
 
 
+def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any) -> ARStageWorker:
+    """The thinker stage's worker: an AR engine on `model` (built and loaded), sized by the
+    thinker's text config, its graphs warmed with the checkpoint's generation defaults."""
+    gen_cfg = load_generation_config(ctx.path)
+    text_cfg = ctx.config["thinker_config"]["text_config"]
+    cfg = stage_engine_config(text_cfg.get("max_position_embeddings", 32768),
+                              kv_fraction(ctx, 0.45), ctx.stage.engine)
+    engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
+                      eos_token_ids(gen_cfg, ctx.config, None))
+    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
+    # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
+    return ARStageWorker(ctx.name, engine, priority=-2)
+
+
+def talker_worker(ctx: StageContext, model: torch.nn.Module, max_position_embeddings: int,
+                  params: SamplingParams, row_width: int) -> ARStageWorker:
+    """The talker stage's worker: an AR engine on `model` (built and loaded), its graphs
+    warmed with `params` (the stage's YAML defaults applied over them); decode steps add the
+    thinker's rows, `row_width` wide."""
+    cfg = stage_engine_config(max_position_embeddings, kv_fraction(ctx, 0.5), ctx.stage.engine)
+    engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
+    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(params)], row_width)
+    return ARStageWorker(ctx.name, engine, priority=-1)
+
+
 class ThinkerTalkerPipeline:
-    """The shared half. A subclass sets, in its __init__: config, roles, processor,
-    tokenizer, thinker_vocab_size, thinker_eos, max_model_len, default_params, stage_order,
-    workers, process_stages; and implements thinker_sequence(processed, params, index) and
-    prepare_audio(req, seq, processed, prompt, params, where)."""
+    """The shared half. A subclass's __init__ calls `_init_front` (config, roles, processor,
+    tokenizer, thinker_vocab_size, thinker_eos, max_model_len, the thinker's default_params),
+    adds its talker's settings, then `_build_workers` (stage_order, workers, process_stages);
+    it implements prepare_audio(req, seq, processed, prompt, params, where), which ends in
+    `_route_audio`."""
+
+    family = ""  # named in errors
 
     build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
 
@@ -63,6 +95,41 @@ class ThinkerTalkerPipeline:
         load = pop_load_options(opts)
         return {"code2wav": parsed, "stage_worker": worker, "engine": opts, **load}
 
+    def _init_front(self, path: Any, config: dict, pipeline: PipelineConfig,
+                    engine_options: dict[str, Any], processor_class: Any
+                    ) -> tuple[StageConfig, StageConfig | None, StageConfig | None]:
+        """The front end's thinker half (attributes: class note) from the checkpoint's
+        config.json and the pipeline YAML -> the thinker, talker and code2wav stages (the
+        last two None when the YAML has none). engine_options: split_options' result."""
+        thinker_cfg = config.get("thinker_config")
+        if not thinker_cfg:
+            raise ValueError(f"model: {path}/config.json has no thinker_config")
+        self.config = pipeline
+        self.roles = stage_roles(pipeline)
+        st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
+        if st is None:
+            raise ValueError(f"pipeline: a {self.family} pipeline needs a stage with output: text")
+        self.processor = processor_class.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        gen_cfg = load_generation_config(path)
+        text_cfg = thinker_cfg["text_config"]
+        self.thinker_vocab_size = text_cfg["vocab_size"]
+        self.thinker_eos = eos_token_ids(gen_cfg, config, None)
+        self.max_model_len = stage_engine_config(
+            text_cfg.get("max_position_embeddings", 32768), engine_options["engine"],
+            st.engine).max_model_len
+        self.default_params: dict[str, SamplingParams] = {
+            st.name: st.default_sampling.apply(generation_defaults(gen_cfg))}
+        return st, sk, sc
+
+    def _build_workers(self, stages: list[StageConfig], path: Any, config: dict,
+                       device: torch.device, dtype: torch.dtype,
+                       options: dict[str, Any]) -> None:
+        """Each stage built here or, where its `worker` is "process", in a process of its own."""
+        self.stage_order = [s.name for s in stages]
+        self.workers, self.process_stages = build_stages(path, config, self.config, stages,
+                                                         device, dtype, options)
+
     @property
     def stage_names(self) -> list[str]:
         return list(self.stage_order)
@@ -71,11 +138,28 @@ class ThinkerTalkerPipeline:
     def engines(self) -> dict[str, AREngine]:
         return {n: w.engine for n, w in self.workers.items() if isinstance(w, ARStageWorker)}
 
-    def stage_model(self, role: str):
-        """The model of a stage of this process, by role (tests, benchmarks)."""
+    # the stage models and workers of this process (tests, benchmarks)
+    def stage_model(self, role: str) -> torch.nn.Module:
+        """The model of a stage of this process, by role."""
         return self.workers[self.roles[role].name].engine.runner.model
 
+    @property
+    def thinker(self) -> torch.nn.Module:
+        return self.stage_model("thinker")
+
+    @property
+    def talker(self) -> torch.nn.Module:
+        return self.stage_model("talker")
+
+    @property
+    def code2wav(self) -> GenStageWorker:
+        return self.workers[self.roles["code2wav"].name]
+
     # ---------------------------------------------------------------- requests
+    def thinker_sequence(self, processed: Any, p: SamplingParams, index: int) -> Sequence:
+        """The thinker's Sequence for a processed prompt (both families build it alike)."""
+        return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
+
     def prepare(self, prompt: Any, params: dict[str, SamplingParams], modalities: list[str],
                 where: str, index: int) -> RuntimeRequest:
         name = self.roles["thinker"].name
@@ -90,6 +174,26 @@ class ThinkerTalkerPipeline:
         if "audio" in modalities:
             self.prepare_audio(req, seq, processed, prompt, params, where)
         return req
+
+    def _talker_params(self, params: dict[str, SamplingParams], where: str) -> SamplingParams:
+        """The request's talker sampling params, validated against the talker's vocab."""
+        name = self.roles["talker"].name
+        tp = params[name]
+        tp.validate(where.replace("prompts", "sampling_params") + f"[{name}]",
+                    self.talker_vocab_size)
+        return tp
+
+    def _route_audio(self, req: RuntimeRequest, adapter: Any, talker_request: Any,
+                     code2wav_adapter: Any, code2wav_request: Any, sample_rate: int) -> None:
+        """Extend `req` past the thinker: thinker rows -> talker (through `adapter`), talker
+        codes -> code2wav (through `code2wav_adapter`), the audio from code2wav."""
+        thinker, talker = self.roles["thinker"].name, self.roles["talker"].name
+        code2wav = self.roles["code2wav"].name
+        req.path += [talker, code2wav]
+        req.stage_requests.update({talker: talker_request, code2wav: code2wav_request})
+        req.links = [StageLink(thinker, talker, adapter),
+                     StageLink(talker, code2wav, code2wav_adapter)]
+        req.audio_stage, req.sample_rate = code2wav, sample_rate
 
     @staticmethod
     def _finalize(out: OmniRequestOutput, talker: str, stops: set[int]) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,9 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.utils import PushToHubMixin
 
 from omnistage.checkpoint import quiet_transformers
+from omnistage.testing.video_stub import AcceptsVideoProcessorStub, FrameVideoProcessor
 
 BUILD_VERSION = 1
 MARKER = "tiny_omni_build.json"
@@ -153,30 +154,15 @@ def build_tiny_config(tok: PreTrainedTokenizerBase) -> Qwen2_5OmniConfig:
                              token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
 
 
-class _TinyOmniNoVideoProcessor(PushToHubMixin):
-    """Stands in for Qwen2VLVideoProcessor, which needs torchvision (it does not import here)."""
-
-    _auto_class = None
-    merge_size = 2
-    patch_size = 14
-    temporal_patch_size = 2
-    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+class _TinyOmniNoVideoProcessor(FrameVideoProcessor):
+    """Stands in for Qwen2VLVideoProcessor where video is not wanted: calling it fails."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("video input needs torchvision")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"video_processor_type": "Qwen2VLVideoProcessor", "merge_size": 2,
-                "patch_size": 14, "temporal_patch_size": 2,
-                "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}}
 
-
-class _TinyOmniProcessor(Qwen2_5OmniProcessor):
-    # The stub video processor is not a transformers class: skip the type check for it alone.
-    def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
-        if name == "video_processor":
-            return type(arg)
-        return super().check_argument_for_proper_class(name, arg)
+class _TinyOmniProcessor(AcceptsVideoProcessorStub, Qwen2_5OmniProcessor):
+    pass
 
 
 def _feature_extractor() -> WhisperFeatureExtractor:
@@ -198,43 +184,8 @@ def build_tiny_omni_processor(path: str | Path) -> Qwen2_5OmniProcessor:
         tokenizer=tok, chat_template=tok.chat_template)
 
 
-class _TinyOmniFrameVideoProcessor(_TinyOmniNoVideoProcessor):
-    """Qwen2VLVideoProcessor without torchvision, from transformers' own parts: smart_resize
-    (with its per-frame pixel cap), the uint8 antialiased bicubic `interpolate` that
-    torchvision runs on CPU, then Qwen2VLImageProcessorPil per frame (rescale, normalise,
-    patchify; it repeats one frame over the temporal patch) with frame pairs put together."""
-
-    size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
-    max_video_tokens = 128000
-
-    def __call__(self, videos: Any, size: dict | None = None, **kwargs: Any) -> Any:
-        import numpy as np
-        from transformers import BatchFeature
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        size = dict(size or self.size)
-        image_proc = Qwen2VLImageProcessorPil(do_resize=False)
-        videos = [videos] if isinstance(videos, np.ndarray) else list(videos)
-        tp, p, factor = self.temporal_patch_size, self.patch_size, 28
-        pixels, grids = [], []
-        for video in videos:
-            x = torch.from_numpy(np.stack(list(video))).permute(0, 3, 1, 2).contiguous()
-            T, _, H, W = x.shape
-            budget = int(self.max_video_tokens * factor * factor * 0.9)
-            max_px = max(min(size["longest_edge"], budget * tp // T),
-                         int(size["shortest_edge"] * 1.05))
-            h, w = smart_resize(H, W, factor, size["shortest_edge"], max_px)
-            x = torch.nn.functional.interpolate(x, size=(h, w), mode="bicubic", antialias=True)
-            frames = [f.permute(1, 2, 0).numpy() for f in x]
-            frames += frames[-1:] * (-T % tp)
-            # per frame [gh*gw, 3, tp, p*p] with the frame repeated over tp: keep one copy
-            one = [image_proc(images=[f], return_tensors="pt")["pixel_values"]
-                   .view(-1, 3, tp, p * p)[:, :, 0] for f in frames]
-            for t in range(0, len(one), tp):
-                pixels.append(torch.stack(one[t:t + tp], dim=2).reshape(one[0].shape[0], -1))
-            grids.append([len(one) // tp, h // p, w // p])
-        return BatchFeature({"pixel_values_videos": torch.cat(pixels),
-                             "video_grid_thw": torch.tensor(grids)})
+# Qwen2.5-Omni's video processor settings are Qwen2-VL's: the stand-in's defaults
+_TinyOmniFrameVideoProcessor = FrameVideoProcessor
 
 
 def build_tiny_omni_video_processor(path: str | Path) -> Qwen2_5OmniProcessor:
@@ -278,14 +229,38 @@ def _save_processor(out: Path, tok: Qwen2Tokenizer, layout: str) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _is_complete(out: Path, args: dict[str, Any]) -> bool:
-    marker = out / MARKER
-    if not marker.is_file():
+def is_complete_build(out: Path, marker: str, args: dict[str, Any]) -> bool:
+    """Whether `out` holds a finished build for `args` (its marker file records them)."""
+    path = out / marker
+    if not path.is_file():
         return False
     try:
-        return json.loads(marker.read_text()) == args
+        return json.loads(path.read_text()) == args
     except json.JSONDecodeError:
         return False
+
+
+@contextlib.contextmanager
+def staged_build(out: Path, marker: str, args: dict[str, Any],
+                 stale: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A temporary sibling directory of `out` to write a build into. When the block succeeds
+    its files move into `out` (after the marker and the files matching the `stale` glob
+    patterns, another build's leftovers, are removed), then the marker recording `args` is
+    written: last, so a reader sees a whole build or none. The temporary directory is removed
+    either way."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        out.mkdir(parents=True, exist_ok=True)
+        (out / marker).unlink(missing_ok=True)
+        for path in [p for pattern in stale for p in out.glob(pattern)]:
+            path.unlink()
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+        (out / marker).write_text(json.dumps(args) + "\n")
+    finally:
+        shutil.rmtree(tmp)
 
 
 def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = "legacy") -> Path:
@@ -299,11 +274,11 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = 
                          f"got {processor_layout!r}")
     out = Path(out_dir)
     args = {"version": BUILD_VERSION, "seed": seed, "processor_layout": processor_layout}
-    if _is_complete(out, args):
+    if is_complete_build(out, MARKER, args):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    # the other processor layout's file is stale
+    with staged_build(out, MARKER, args, ("preprocessor_config.json", "processor_config.json")
+                      ) as tmp:
         with quiet_transformers():  # its warnings about ids outside the tiny talker vocab
             tok = build_tiny_tokenizer()
             torch.manual_seed(seed)
@@ -329,15 +304,6 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, processor_layout: str = 
                for name, token in VOICES.items()}
         torch.save(spk, tmp / "spk_dict.pt")
         _save_processor(tmp, tok, processor_layout)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / MARKER).unlink(missing_ok=True)
-        for stale in ("preprocessor_config.json", "processor_config.json"):  # other layout's file
-            (out / stale).unlink(missing_ok=True)
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-        (out / MARKER).write_text(json.dumps(args) + "\n")
-    finally:
-        shutil.rmtree(tmp)
     return out
 
 
@@ -355,28 +321,40 @@ def tiny_omni_test_messages(seed: int = 0) -> dict[str, list[dict]]:
     img_a = Image.fromarray(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8))
     img_b = Image.fromarray(rng.integers(0, 255, (100, 70, 3), dtype=np.uint8))
 
-    def user(*parts: dict) -> dict:
-        return {"role": "user", "content": list(parts)}
-
-    def audio(x: Any) -> dict:
-        return {"type": "audio", "audio": x}
-
-    def image(x: Any) -> dict:
-        return {"type": "image", "image": x}
-
-    def text(t: str) -> dict:
-        return {"type": "text", "text": t}
-
     return {
         "text_only": [{"role": "user", "content": "Beautiful is better than ugly. Say something."}],
-        "audio_text": [user(audio(tone), text("What do you hear?"))],
-        "image_text": [user(image(img_a), text("What is this?"))],
-        "audio_image_text": [user(audio(tone), image(img_a), text("What do you hear and see?"))],
+        "audio_text": [user_turn(audio_part(tone), text_part("What do you hear?"))],
+        "image_text": [user_turn(image_part(img_a), text_part("What is this?"))],
+        "audio_image_text": [user_turn(audio_part(tone), image_part(img_a),
+                                       text_part("What do you hear and see?"))],
         "multi_turn": [
             {"role": "system", "content": "Be brief."},
-            user(text("Listen:"), audio(noise)),
+            user_turn(text_part("Listen:"), audio_part(noise)),
             {"role": "assistant", "content": "Static noise."},
-            user(image(img_b), text("And this?"), audio(tone)),
+            user_turn(image_part(img_b), text_part("And this?"), audio_part(tone)),
         ],
-        "two_images": [user(image(img_a), image(img_b), text("Compare them."))],
+        "two_images": [user_turn(image_part(img_a), image_part(img_b),
+                                 text_part("Compare them."))],
     }
+
+
+# chat message builders (Qwen's content-part convention), for tests
+def user_turn(*parts: dict) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def audio_part(audio: Any) -> dict:
+    return {"type": "audio", "audio": audio}
+
+
+def image_part(image: Any) -> dict:
+    return {"type": "image", "image": image}
+
+
+def video_part(video: Any, **options: Any) -> dict:
+    """options: e.g. fps."""
+    return {"type": "video", "video": video, **options}

@@ -27,17 +27,12 @@ Running transformers' `generate` on it (the reference for parity tests):
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import (
     AutoTokenizer,
-    BatchFeature,
     PreTrainedTokenizerBase,
     Qwen2Tokenizer,
     Qwen3OmniMoeConfig,
@@ -45,14 +40,12 @@ from transformers import (
     Qwen3OmniMoeProcessor,
     WhisperFeatureExtractor,
 )
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-    smart_resize,
-)
-from transformers.utils import PushToHubMixin
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from omnistage.checkpoint import quiet_transformers
+from omnistage.testing.tiny_omni import is_complete_build, staged_build
 from omnistage.testing.tokenizer import train_bpe
+from omnistage.testing.video_stub import AcceptsVideoProcessorStub, FrameVideoProcessor
 
 BUILD_VERSION = 1
 MARKER = "tiny_qwen3_omni_build.json"
@@ -293,16 +286,6 @@ def _reinit_code2wav_(code2wav: torch.nn.Module, target_rms: float = 0.2) -> Non
     last.bias.mul_(target_rms / rms)
 
 
-def _is_complete(out: Path, args: dict[str, Any]) -> bool:
-    marker = out / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()) == args
-    except json.JSONDecodeError:
-        return False
-
-
 def build_tiny_qwen3_omni(path: str | Path, *, talker: bool = True, seed: int = 0,
                           **overrides: Any) -> Path:
     """Build (or reuse) a tiny random Qwen3-Omni checkpoint at `path`; returns the path.
@@ -318,14 +301,13 @@ def build_tiny_qwen3_omni(path: str | Path, *, talker: bool = True, seed: int = 
         json.dumps(args)
     except TypeError as e:
         raise ValueError(f"overrides: must be JSON-serialisable ({e})") from e
-    if _is_complete(out, args):
+    if is_complete_build(out, MARKER, args):
         return out
     tok = build_tiny_qwen3_omni_tokenizer()
     with quiet_transformers():  # rope validation: mrope keys under rope_type "default", as released
         cfg = Qwen3OmniMoeConfig(**tiny_qwen3_omni_config_dict(tok, talker=talker, **overrides))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    # another build's shard count leaves stale shards
+    with staged_build(out, MARKER, args, ("model*.safetensors*",)) as tmp:
         with quiet_transformers():
             torch.manual_seed(seed)
             model = Qwen3OmniMoeForConditionalGeneration(cfg).eval()
@@ -336,15 +318,6 @@ def build_tiny_qwen3_omni(path: str | Path, *, talker: bool = True, seed: int = 
         with quiet_transformers():  # about 4 shards + index, as released (15 / 13 shards)
             model.save_pretrained(tmp, max_shard_size=max(total // 4, 1 << 16))
         _save_processor_files(tmp, tok)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / MARKER).unlink(missing_ok=True)
-        for stale in out.glob("model*.safetensors*"):  # another build's shard count
-            stale.unlink()
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-        (out / MARKER).write_text(json.dumps(args) + "\n")
-    finally:
-        shutil.rmtree(tmp)
     return out
 
 
@@ -358,61 +331,18 @@ def enable_talker_audio_prompts(model: Qwen3OmniMoeForConditionalGeneration) -> 
 # --------------------------------------------------------------- reference processor (tests)
 
 
-class _TinyQwen3FrameVideoProcessor(PushToHubMixin):
-    """Qwen2VLVideoProcessor (torchvision backend, CPU) without torchvision, from transformers'
-    own parts: smart_resize with the per-frame pixel cap, the uint8 antialiased bicubic
-    `interpolate` that torchvision runs on CPU, then Qwen2VLImageProcessorPil per frame (rescale,
-    normalise, patchify; it repeats one frame over the temporal patch) with frame pairs joined.
-    Settings are the released ones read from preprocessor_config.json (patch 16, mean/std 0.5)
-    with the processor's video size defaults (128..768 tokens of 32x32 pixels)."""
+class _TinyQwen3FrameVideoProcessor(FrameVideoProcessor):
+    """The video processor transformers' Qwen3-Omni processor runs: settings from the
+    released preprocessor_config.json (patch 16, mean / std 0.5), the processor's video size
+    (128..768 tokens of 32 x 32 pixels)."""
 
-    _auto_class = None
     patch_size = 16
-    merge_size = 2
-    temporal_patch_size = 2
+    image_mean = image_std = _CLIP_HALF
     size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
-    max_video_tokens = 128000
-    model_input_names = ["pixel_values_videos", "video_grid_thw"]
-
-    def __call__(self, videos: Any, size: dict | None = None, **kwargs: Any) -> BatchFeature:
-        size = dict(size or self.size)
-        frame_proc = Qwen2VLImageProcessorPil(do_resize=False, patch_size=self.patch_size,
-                                              merge_size=self.merge_size,
-                                              image_mean=_CLIP_HALF, image_std=_CLIP_HALF)
-        videos = [videos] if isinstance(videos, np.ndarray) else list(videos)
-        tp, p, factor = self.temporal_patch_size, self.patch_size, self.patch_size * self.merge_size
-        pixels, grids = [], []
-        for video in videos:
-            x = torch.from_numpy(np.stack(list(video))).permute(0, 3, 1, 2).contiguous()
-            frames_in, _, height, width = x.shape
-            budget = int(self.max_video_tokens * factor * factor * 0.9)
-            max_px = max(min(size["longest_edge"], budget * tp // frames_in),
-                         int(size["shortest_edge"] * 1.05))
-            h, w = smart_resize(height, width, factor, size["shortest_edge"], max_px)
-            x = torch.nn.functional.interpolate(x, size=(h, w), mode="bicubic", antialias=True)
-            frames = [f.permute(1, 2, 0).numpy() for f in x]
-            frames += frames[-1:] * (-frames_in % tp)
-            # per frame [gh*gw, 3, tp, p*p] with the frame repeated over tp: keep one copy
-            one = [frame_proc(images=[f], return_tensors="pt")["pixel_values"]
-                   .view(-1, 3, tp, p * p)[:, :, 0] for f in frames]
-            for t in range(0, len(one), tp):
-                pixels.append(torch.stack(one[t:t + tp], dim=2).reshape(one[0].shape[0], -1))
-            grids.append([len(one) // tp, h // p, w // p])
-        return BatchFeature({"pixel_values_videos": torch.cat(pixels),
-                             "video_grid_thw": torch.tensor(grids)})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": self.patch_size,
-                "merge_size": self.merge_size, "temporal_patch_size": self.temporal_patch_size,
-                "size": dict(self.size)}
 
 
-class _TinyQwen3OmniProcessor(Qwen3OmniMoeProcessor):
-    # The frame video processor is not a transformers class: skip the type check for it alone.
-    def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
-        if name == "video_processor":
-            return type(arg)
-        return super().check_argument_for_proper_class(name, arg)
+class _TinyQwen3OmniProcessor(AcceptsVideoProcessorStub, Qwen3OmniMoeProcessor):
+    pass
 
 
 def build_tiny_qwen3_omni_processor(path: str | Path) -> Qwen3OmniMoeProcessor:

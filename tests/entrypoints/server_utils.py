@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
+import openai
+import soundfile
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_NAME = "tiny-omni"
@@ -61,6 +67,26 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(model: Path, log_path: Path, *args: str) -> Iterator[ServerProcess]:
+    """A ready server for the block; it must stop cleanly (exit 0) after it."""
+    srv = ServerProcess(model, log_path, *args)
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def openai_client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """Encoded audio -> (int16 samples, sample rate)."""
+    return soundfile.read(io.BytesIO(data), dtype="int16")
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

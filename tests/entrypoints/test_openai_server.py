@@ -17,7 +17,8 @@ import pytest
 import soundfile
 from PIL import Image
 
-from tests.entrypoints.server_utils import MODEL_NAME, ServerProcess, metric, scrape
+from tests.entrypoints.server_utils import (MODEL_NAME, metric, openai_client, read_wav,
+                                           running_server, scrape)
 
 SAMPLES_PER_CODE = 480  # 2 mel frames x 240 (BigVGAN) at 24 kHz
 # the talker of a random model may never emit its stop code: bound it
@@ -27,22 +28,13 @@ MESSAGES = [{"role": "user", "content": "Say something nice."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_omni_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_omni_dir, tmp_path_factory.mktemp("srv") / "server.log")
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny_omni_dir, tmp_path_factory.mktemp("srv") / "server.log") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-def _wav(data: bytes) -> tuple[np.ndarray, int]:
-    x, sr = soundfile.read(io.BytesIO(data), dtype="int16")
-    return x, sr
+    return openai_client(server)
 
 
 def test_models(client):
@@ -77,7 +69,7 @@ def test_chat_audio_streamed_equals_non_streamed(client):
     r = _audio_request(client, stream=False)
     audio = r.choices[0].message.audio
     assert r.choices[0].message.content is None and audio.transcript
-    wave, sr = _wav(base64.b64decode(audio.data))
+    wave, sr = read_wav(base64.b64decode(audio.data))
     codes = r.usage.completion_tokens_details.audio_tokens
     assert sr == 24000 and codes > 0
     assert len(wave) == codes * SAMPLES_PER_CODE
@@ -154,12 +146,12 @@ def test_speech(client, server):
                                                        input=text, response_format="wav",
                                                        extra_body={"seed": 3})
     assert unquote(raw.headers["x-transcript"]) == text  # exactly the input, byte for byte
-    wave, sr = _wav(raw.content)
+    wave, sr = read_wav(raw.content)
     codes = int(raw.headers["x-codec-tokens"])
     assert sr == 24000 and codes > 0 and len(wave) == codes * SAMPLES_PER_CODE
     flac = client.audio.speech.create(model=MODEL_NAME, voice="Chelsie", input=text,
                                       response_format="flac", extra_body={"seed": 3})
-    assert len(_wav(flac.content)[0]) > 0
+    assert len(read_wav(flac.content)[0]) > 0
     with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60, json={
             "model": MODEL_NAME, "voice": "Ethan", "input": text, "response_format": "pcm",
             "stream_format": "sse", "seed": 3}) as r:

@@ -10,10 +10,9 @@ from importlib import resources
 import numpy as np
 import openai
 import pytest
-import soundfile
 from PIL import Image
 
-from tests.entrypoints.server_utils import MODEL_NAME, ServerProcess
+from tests.entrypoints.server_utils import MODEL_NAME, openai_client, read_wav, running_server
 
 SAMPLES_PER_FRAME, TRIM = 1920, 555  # 12.5 Hz frames at 24 kHz; the decoder's causal trim
 CAP = 30
@@ -36,22 +35,14 @@ def server(tiny_qwen3_omni_dir, tmp_path_factory):
                  ).read_text().replace("max_tokens: 4096", f"max_tokens: {CAP}")
     assert f"max_tokens: {CAP}" in yaml_text
     (tmp / "pipeline.yaml").write_text(yaml_text)
-    srv = ServerProcess(tiny_qwen3_omni_dir, tmp / "server.log", "--pipeline",
-                        str(tmp / "pipeline.yaml"))
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny_qwen3_omni_dir, tmp / "server.log", "--pipeline",
+                        str(tmp / "pipeline.yaml")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-def _wav(data: bytes) -> tuple[np.ndarray, int]:
-    return soundfile.read(io.BytesIO(data), dtype="int16")
+    return openai_client(server)
 
 
 def test_models_lists_speakers(client, server):
@@ -75,7 +66,7 @@ def test_chat_image_in_audio_out_streamed_equals_non_streamed(client):
         {"type": "text", "text": "What is this?"}]
     r = _audio_request(client, False, content)
     audio = r.choices[0].message.audio
-    wave, sr = _wav(base64.b64decode(audio.data))
+    wave, sr = read_wav(base64.b64decode(audio.data))
     frames = r.usage.completion_tokens_details.audio_tokens
     assert sr == 24000 and frames > 0 and audio.transcript
     assert len(wave) == audio_frames(frames) * SAMPLES_PER_FRAME - TRIM
@@ -103,7 +94,7 @@ def test_speech_speakers_case_insensitive(client):
     raw = client.audio.speech.with_raw_response.create(
         model=MODEL_NAME, voice="AIDEN", input=text, response_format="wav",
         extra_body={"seed": 3})
-    wave, sr = _wav(raw.content)
+    wave, sr = read_wav(raw.content)
     frames = int(raw.headers["x-codec-tokens"])
     assert sr == 24000 and frames > 1
     assert len(wave) == audio_frames(frames) * SAMPLES_PER_FRAME - TRIM

@@ -7,13 +7,16 @@ A model used by the engine provides
   attention_layers() -> list of modules with `k_cache` / `v_cache` attributes the engine binds
   kv_shape -> (num_layers, num_kv_heads, head_dim)
   load_weights(named tensors)
+`DecoderContract` supplies the members every decoder LM here computes the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata
 
@@ -36,3 +39,37 @@ def merge_inputs(tokens_embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tens
     if batch.additive_embeds is not None:
         x = x + batch.additive_embeds.to(x.dtype)
     return x
+
+
+class DecoderContract:
+    """kv_shape, vocab_size, attention_layers, embed and embed_row of a decoder LM module that
+    has `config` (num_hidden_layers, num_key_value_heads, head_dim, vocab_size) and `model`
+    (`layers[i].self_attn`; the input table `embed_tokens` unless `input_embedding` says
+    otherwise). Mixed in before nn.Module."""
+
+    config: Any
+    model: nn.Module
+
+    @property
+    def input_embedding(self) -> nn.Embedding:
+        """The table the engine's input ids index."""
+        return self.model.embed_tokens
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.input_embedding(input_ids)
+
+    def embed_row(self, token_id: int) -> torch.Tensor:
+        """embed of one id, [D]: a view of the table's row (no id tensor, no kernel)."""
+        return self.input_embedding.weight[token_id]

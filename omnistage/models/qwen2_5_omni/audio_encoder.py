@@ -6,6 +6,7 @@ Parameter names mirror the checkpoint's `thinker.audio_tower.*` with that prefix
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,14 +55,14 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Qwen2_5OmniAudioAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
+    def __init__(self, dim: int, num_heads: int, key_bias: bool = False) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"audio_config.d_model {dim} is not divisible by "
                              f"encoder_attention_heads {num_heads}")
         self.num_heads = num_heads
         self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=key_bias)
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
@@ -73,18 +74,33 @@ class Qwen2_5OmniAudioAttention(nn.Module):
 
 
 class Qwen2_5OmniAudioEncoderLayer(nn.Module):
-    def __init__(self, dim: int, num_heads: int, ffn_dim: int) -> None:
+    def __init__(self, dim: int, num_heads: int, ffn_dim: int,
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
+                 key_bias: bool = False) -> None:
         super().__init__()
-        self.self_attn = Qwen2_5OmniAudioAttention(dim, num_heads)
+        self.self_attn = Qwen2_5OmniAudioAttention(dim, num_heads, key_bias)
         self.self_attn_layer_norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, dim)
         self.final_layer_norm = nn.LayerNorm(dim)
+        self.act = act
 
     def forward(self, x: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         # x: [N, dim] (pre-norm residual blocks)
         x = x + self.self_attn(self.self_attn_layer_norm(x), plan)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+def validate_features(features: list[torch.Tensor], num_mel_bins: int) -> None:
+    """features: a non-empty list of [num_mel_bins, frames] tensors, each with frames."""
+    if not isinstance(features, (list, tuple)) or not features:
+        raise ValueError("features must be a non-empty list of [num_mel_bins, frames] tensors")
+    for i, f in enumerate(features):
+        if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[0] != num_mel_bins:
+            shape = tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
+            raise ValueError(f"features[{i}] must be [{num_mel_bins}, frames], got {shape}")
+        if f.shape[1] < 1:
+            raise ValueError(f"features[{i}] has no frames")
 
 
 def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -134,16 +150,6 @@ class Qwen2_5OmniAudioEncoder(nn.Module):
         after_conv = (num_frames - 1) // 2 + 1
         return (after_conv - 2) // 2 + 1
 
-    def _validate(self, features: list[torch.Tensor]) -> None:
-        if not isinstance(features, (list, tuple)) or not features:
-            raise ValueError("features must be a non-empty list of [num_mel_bins, T] tensors")
-        for i, f in enumerate(features):
-            if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[0] != self.num_mel_bins:
-                shape = tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
-                raise ValueError(f"features[{i}] must be [{self.num_mel_bins}, T], got {shape}")
-            if f.shape[1] < 1:
-                raise ValueError(f"features[{i}] has no frames")
-
     def _stem(self, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         # chunks: list of [mel, L_c] -> rows [sum_c L2_c, dim] in chunk order, and L2_c
         lens = [c.shape[1] for c in chunks]
@@ -164,7 +170,7 @@ class Qwen2_5OmniAudioEncoder(nn.Module):
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         # features[i]: [num_mel_bins, T_i] (valid frames only) -> per audio [N_i, output_dim]
-        self._validate(features)
+        validate_features(features, self.num_mel_bins)
         win = 2 * self.n_window
         chunks = [c for f in features for c in f.split(win, dim=1)]
         x, chunk_rows = self._stem(chunks)

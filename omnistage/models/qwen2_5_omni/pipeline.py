@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-from omnistage.checkpoint import eos_token_ids, iter_tensors, load_generation_config
 from omnistage.config.schema import PipelineConfig
-from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.qwen2_5_omni.code2wav_options import pop_code2wav_options
 from omnistage.engine.gen import GenStageWorker
@@ -21,16 +19,13 @@ from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerForCausalLM,
                                                   talker_default_params, talker_sequence,
                                                   talker_token_ids)
-from omnistage.models.qwen2_5_omni.thinker import (Qwen2_5OmniThinkerForCausalLM,
-                                                   thinker_sequence)
+from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM
 from omnistage.models.qwen2_5_omni.voices import load_voices
-from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, kv_fraction, stage_roles
+from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, talker_worker, thinker_worker
 from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
-from omnistage.runtime.build import (StageContext, build_model, build_stages,
-                                     generation_defaults, new_request_id, resolve_seed,
-                                     stage_engine_config)
+from omnistage.runtime.build import StageContext, build_stage_model
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.stage import ARStageWorker, StageLink
+from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams
 
 SAMPLE_RATE = 24000
@@ -39,33 +34,20 @@ DEFAULT_VOICE = "Chelsie"
 
 @register_stage("Qwen2_5OmniThinker", "ar")
 def build_thinker(ctx: StageContext) -> ARStageWorker:
-    model_cfg = ctx.config["thinker_config"]
     tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(ctx.path).tokenizer
-    gen_cfg = load_generation_config(ctx.path)
-    model = build_model(Qwen2_5OmniThinkerForCausalLM, model_cfg,
-                        iter_tensors(ctx.path, ctx.prefix("thinker.")), ctx.device, ctx.dtype)
-    cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
-                              kv_fraction(ctx, 0.45), ctx.stage.engine)
-    engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
-                      eos_token_ids(gen_cfg, ctx.config, None))
-    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
-    # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
-    return ARStageWorker(ctx.name, engine, priority=-2)
+    model = build_stage_model(Qwen2_5OmniThinkerForCausalLM, ctx.config["thinker_config"], ctx,
+                              "thinker.")
+    return thinker_worker(ctx, model, tokenizer)
 
 
 @register_stage("Qwen2_5OmniTalker", "ar")
 def build_talker(ctx: StageContext) -> ARStageWorker:
     model_cfg = ctx.config["talker_config"]
-    model = build_model(Qwen2_5OmniTalkerForCausalLM, model_cfg,
-                        iter_tensors(ctx.path, ctx.prefix("talker.")), ctx.device, ctx.dtype)
-    cfg = stage_engine_config(model_cfg.get("max_position_embeddings", 32768),
-                              kv_fraction(ctx, 0.5), ctx.stage.engine)
-    engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
+    model = build_stage_model(Qwen2_5OmniTalkerForCausalLM, model_cfg, ctx, "talker.")
     params = talker_default_params(talker_token_ids(model_cfg)[0])
-    # decode steps add the thinker's rows (of the talker's embedding width)
-    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(params)],
-                                model_cfg["embedding_size"])
-    return ARStageWorker(ctx.name, engine, priority=-1)
+    # the thinker's rows are of the talker's embedding width
+    return talker_worker(ctx, model, model_cfg.get("max_position_embeddings", 32768), params,
+                         model_cfg["embedding_size"])
 
 
 @register_stage("Qwen2_5OmniToken2Wav", "gen", sample_rate=SAMPLE_RATE)
@@ -77,6 +59,7 @@ def build_code2wav(ctx: StageContext) -> GenStageWorker:
 @register_pipeline("qwen2_5_omni")
 class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
     ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel")
+    family = "Qwen2.5-Omni"
 
     @classmethod
     def matches(cls, config: dict) -> bool:
@@ -88,27 +71,9 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
                  dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
         """The front end (processor, voices, request preparation) in this process; each stage
         built here or, where its `worker` is "process", in a stage process of its own."""
-        thinker_cfg = config.get("thinker_config")
-        if not thinker_cfg:
-            raise ValueError(f"model: {path}/config.json has no thinker_config")
         options = self._check_options(engine_options)
         self.talker_handoff = options["talker_handoff"]
-        self.config = pipeline
-        self.roles = stage_roles(pipeline)
-        st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
-        if st is None:
-            raise ValueError("pipeline: a Qwen2.5-Omni pipeline needs a stage with output: text")
-        self.processor = Qwen2_5OmniInputProcessor.from_pretrained(path)
-        self.tokenizer = self.processor.tokenizer
-        gen_cfg = load_generation_config(path)
-        text_cfg = thinker_cfg["text_config"]
-        self.thinker_vocab_size = text_cfg["vocab_size"]
-        self.thinker_eos = eos_token_ids(gen_cfg, config, None)
-        self.max_model_len = stage_engine_config(
-            text_cfg.get("max_position_embeddings", 32768), options["engine"],
-            st.engine).max_model_len
-        self.default_params: dict[str, SamplingParams] = {
-            st.name: st.default_sampling.apply(generation_defaults(gen_cfg))}
+        st, sk, sc = self._init_front(path, config, pipeline, options, Qwen2_5OmniInputProcessor)
         self.voices = load_voices(path) if sk and sc and config.get("talker_config") else {}
         stages = [st] + ([sk, sc] if self.voices else [])
         self.output_modalities = ["text", "audio"] if self.voices else ["text"]
@@ -119,9 +84,7 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
             self.default_params[sk.name] = sk.default_sampling.apply(
                 talker_default_params(self.codec_ids))
             self.default_params[sc.name] = SamplingParams()
-        self.stage_order = [s.name for s in stages]
-        self.workers, self.process_stages = build_stages(path, config, pipeline, stages, device,
-                                                         dtype, options)
+        self._build_workers(stages, path, config, device, dtype, options)
 
     @classmethod
     def _check_options(cls, engine_options: dict[str, Any]) -> dict[str, Any]:
@@ -136,35 +99,16 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
                              "weights as they are (no dummy weights, no quantization yet)")
         return {"talker_handoff": handoff, **options}
 
-    # the stage models and workers of this process (tests, benchmarks)
-    @property
-    def thinker(self) -> Qwen2_5OmniThinkerForCausalLM:
-        return self.workers[self.roles["thinker"].name].engine.runner.model
-
-    @property
-    def talker(self) -> Qwen2_5OmniTalkerForCausalLM:
-        return self.workers[self.roles["talker"].name].engine.runner.model
-
-    @property
-    def code2wav(self) -> GenStageWorker:
-        return self.workers[self.roles["code2wav"].name]
-
     # ---------------------------------------------------------------- requests
-    def thinker_sequence(self, processed, p: SamplingParams, index: int) -> Sequence:
-        return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
-
     def prepare_audio(self, req: RuntimeRequest, seq: Sequence, processed: Any, prompt: Any,
                       params: dict[str, SamplingParams], where: str) -> None:
-        names = {role: (s.name if s else None) for role, s in self.roles.items()}
         voice = prompt.get("voice") if isinstance(prompt, dict) else None
         voice = DEFAULT_VOICE if voice is None else voice
         if voice not in self.voices:
             raise ValueError(f"{where}.voice: {voice!r} is not available; voices: "
                              f"{sorted(self.voices)}")
-        tp = params[names["talker"]]
-        tp.validate(where.replace("prompts", "sampling_params") + f"[{names['talker']}]",
-                    self.talker_vocab_size)
-        cp = params[names["code2wav"]]
+        tp = self._talker_params(params, where)
+        cp = params[self.roles["code2wav"].name]
         tseed = tp.seed if tp.seed is not None else seq.seed + 1
         cseed = cp.seed if cp.seed is not None else seq.seed + 2
         seq.export_hidden = True
@@ -178,10 +122,6 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
         c2w = Code2WavRequest(v["cond"], v["ref_mel"], cseed)
         to_code2wav = ADAPTER_REGISTRY[self.roles["code2wav"].inputs[0].adapter](
             tp.stop_token_ids)
-        req.path += [names["talker"], names["code2wav"]]
-        req.stage_requests.update({names["talker"]: talker_seq, names["code2wav"]: c2w})
-        req.links = [StageLink(names["thinker"], names["talker"], adapter),
-                     StageLink(names["talker"], names["code2wav"], to_code2wav)]
-        req.audio_stage, req.sample_rate = names["code2wav"], SAMPLE_RATE
-        stops = set(tp.stop_token_ids)
-        req.finalize = lambda out: self._finalize(out, names["talker"], stops)
+        self._route_audio(req, adapter, talker_seq, to_code2wav, c2w, SAMPLE_RATE)
+        talker, stops = self.roles["talker"].name, set(tp.stop_token_ids)
+        req.finalize = lambda out: self._finalize(out, talker, stops)

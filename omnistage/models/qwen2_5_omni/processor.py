@@ -19,9 +19,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -51,7 +50,7 @@ QWEN_AUDIO_SYSTEM_PROMPT = (
     "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
     "perceiving auditory and visual inputs, as well as generating text and speech.")
 AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN = "<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>"
-_PLACEHOLDERS = {"audio": AUDIO_TOKEN, "image": IMAGE_TOKEN, "video": VIDEO_TOKEN}
+PLACEHOLDERS = {"audio": AUDIO_TOKEN, "image": IMAGE_TOKEN, "video": VIDEO_TOKEN}
 _PART_TYPES = ("text", "audio", "image", "video")
 _URL_PARTS = ("image_url", "audio_url", "video_url")  # OpenAI style: {"type": "image_url", ...}
 
@@ -124,24 +123,25 @@ class _Video:
     audio_features: torch.Tensor | None  # its audio track's [128, frames], when used
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A JSON file's contents; ValueError naming the file when it is not valid JSON."""
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON: {e}") from e
 
 
-def _processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(feature extractor dict, image processor dict) from either processor config layout."""
     nested = root / "processor_config.json"
     if nested.is_file():
-        cfg = _read_json(nested)
+        cfg = read_json_file(nested)
         if "feature_extractor" in cfg and "image_processor" in cfg:
             return cfg["feature_extractor"], cfg["image_processor"]
     legacy = root / "preprocessor_config.json"
     if legacy.is_file():
         # one dict holds both processors' fields: give each processor its own
-        cfg = _read_json(legacy)
+        cfg = read_json_file(legacy)
         fe_keys = set(WhisperFeatureExtractor().to_dict())
         ip_keys = set(Qwen2VLImageProcessorPil().to_dict()) | {"min_pixels", "max_pixels"}
         return ({k: v for k, v in cfg.items() if k in fe_keys},
@@ -150,23 +150,24 @@ def _processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                      "processor_config.json with feature_extractor and image_processor)")
 
 
-def _video_dict(root: Path) -> dict[str, Any]:
-    """The saved video processor settings, or {} (Qwen2.5-Omni's defaults apply)."""
+def video_processor_dict(root: Path) -> dict[str, Any]:
+    """The saved video processor settings, or {} (the family's defaults apply)."""
     nested = root / "processor_config.json"
-    if nested.is_file() and isinstance(_read_json(nested).get("video_processor"), dict):
-        return _read_json(nested)["video_processor"]
+    if nested.is_file() and isinstance(read_json_file(nested).get("video_processor"), dict):
+        return read_json_file(nested)["video_processor"]
     if (root / "video_preprocessor_config.json").is_file():
-        return _read_json(root / "video_preprocessor_config.json")
+        return read_json_file(root / "video_preprocessor_config.json")
     return {}
 
 
-def _chat_template(root: Path, tok: PreTrainedTokenizerBase) -> str:
+def load_chat_template(root: Path, tok: PreTrainedTokenizerBase) -> str:
+    """The tokenizer's chat template, else the checkpoint's chat_template.jinja / .json."""
     if tok.chat_template:
         return tok.chat_template
     if (root / "chat_template.jinja").is_file():
         return (root / "chat_template.jinja").read_text()
     if (root / "chat_template.json").is_file():
-        return _read_json(root / "chat_template.json")["chat_template"]
+        return read_json_file(root / "chat_template.json")["chat_template"]
     raise ValueError(f"{root}: checkpoint has no chat template")
 
 
@@ -174,11 +175,34 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
 
+@dataclass
+class _LoadedMedia:
+    """A prompt's media after decoding, before the placeholders are expanded."""
+
+    audios: list[tuple[torch.Tensor, bytes]]  # per audio: features [n_mels, frames], hash
+    image_pixels: torch.Tensor | None  # [patches, patch_dim]
+    image_grid: torch.LongTensor | None  # [n_images, 3]
+    image_hashes: list[bytes]
+    videos: list[tuple[str, _Video]]  # per video: (where, preprocessed video)
+
+
 class Qwen2_5OmniInputProcessor:
     """Turns chat messages or raw prompts with media into `ProcessedPrompt`s.
 
     Stateless after construction (safe to share between threads that do not mutate it).
+    A family with the same prompt layout subclasses it: the class attributes below, and the
+    hooks `_video_config_from`, `_audio_features`, `_audio_pads`, `_video_with_audio_run`.
     """
+
+    family = "Qwen2.5-Omni"  # named in checkpoint errors
+    placeholders = PLACEHOLDERS  # kind -> the placeholder token a prompt holds per item
+    rope_config_class: Any = Qwen2_5OmniRopeConfig
+    audio_system_prompt: str | None = QWEN_AUDIO_SYSTEM_PROMPT  # None: never added
+    # how a video used with its audio track must sit in the prompt (error message)
+    video_with_audio_wrapping = f"<|vision_bos|>{VIDEO_TOKEN}<|vision_eos|>"
+    # (expanded ids, image grid, audio frames, rope config, video grid, seconds per grid,
+    # use_audio_in_video) -> (3-axis positions [3, T], decode rope delta)
+    mrope_positions = staticmethod(mrope_positions)
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase,
                  feature_extractor: WhisperFeatureExtractor,
@@ -203,25 +227,33 @@ class Qwen2_5OmniInputProcessor:
         self.max_video_seconds = max_video_seconds
         self.allow_local_paths = allow_local_paths
         self.token_ids = {kind: tokenizer.convert_tokens_to_ids(tok)
-                          for kind, tok in _PLACEHOLDERS.items()}
+                          for kind, tok in self.placeholders.items()}
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **limits: Any) -> Qwen2_5OmniInputProcessor:
-        """Load from a Qwen2.5-Omni checkpoint directory (either processor config layout)."""
+    def from_pretrained(cls, path: str | Path, **limits: Any) -> Self:
+        """Load from a checkpoint directory of this family (root preprocessor_config.json as
+        released, or transformers 5's nested processor_config.json)."""
         root = Path(path)
         if not (root / "config.json").is_file():
             raise ValueError(f"{root}: not a checkpoint directory (no config.json)")
+        thinker = read_json_file(root / "config.json").get("thinker_config")
+        if not thinker:
+            raise ValueError(f"{root}/config.json: no thinker_config (not {cls.family}?)")
         with quiet_transformers():  # AutoTokenizer reads config.json through AutoConfig
             tok = AutoTokenizer.from_pretrained(str(root))
-        fe_dict, ip_dict = _processor_dicts(root)
+        fe_dict, ip_dict = processor_dicts(root)
         fe = WhisperFeatureExtractor.from_dict(fe_dict)
         ip = Qwen2VLImageProcessorPil.from_dict(ip_dict)
-        thinker = _read_json(root / "config.json").get("thinker_config")
-        if not thinker:
-            raise ValueError(f"{root}/config.json: no thinker_config (not Qwen2.5-Omni?)")
-        rope = Qwen2_5OmniRopeConfig.from_thinker_config(thinker)
-        limits.setdefault("video_config", Qwen2_5OmniVideoConfig.from_dict(_video_dict(root)))
-        return cls(tok, fe, ip, _chat_template(root, tok), rope, **limits)
+        rope = cls.rope_config_class.from_thinker_config(thinker)
+        limits.setdefault("video_config",
+                          cls._video_config_from(ip_dict, video_processor_dict(root)))
+        return cls(tok, fe, ip, load_chat_template(root, tok), rope, **limits)
+
+    @classmethod
+    def _video_config_from(cls, image_processor: dict[str, Any], saved_video: dict[str, Any]
+                           ) -> Qwen2_5OmniVideoConfig:
+        """Video settings from the checkpoint's saved video processor ({}: the defaults)."""
+        return Qwen2_5OmniVideoConfig.from_dict(saved_video)
 
     # ------------------------------------------------------------------------------ public
 
@@ -234,8 +266,9 @@ class Qwen2_5OmniInputProcessor:
         frames | list of PIL images, "fps": optional}; with `use_audio_in_video`, each video
         file's audio track (if it has one) is used too."""
         rendered, media = self._parse_messages(messages)
-        if add_audio_system_prompt and not any(m["role"] == "system" for m in rendered):
-            rendered.insert(0, {"role": "system", "content": QWEN_AUDIO_SYSTEM_PROMPT})
+        if add_audio_system_prompt and self.audio_system_prompt is not None \
+                and not any(m["role"] == "system" for m in rendered):
+            rendered.insert(0, {"role": "system", "content": self.audio_system_prompt})
         text = self.tokenizer.apply_chat_template(
             rendered, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=True)
@@ -255,7 +288,7 @@ class Qwen2_5OmniInputProcessor:
             raise ValueError("multi_modal_data: must be a dict")
         media: list[tuple[str, str, Any]] = []
         for key, value in data.items():
-            if key not in _PLACEHOLDERS:
+            if key not in self.placeholders:
                 raise ValueError(f"multi_modal_data.{key}: unknown modality "
                                  "(expected 'audio', 'image' or 'video')")
             media += [(key, f"multi_modal_data.{key}[{i}]", v)
@@ -315,9 +348,8 @@ class Qwen2_5OmniInputProcessor:
             raise ValueError(f"{where}.text: must be a string")
         return kind, part[kind]
 
-    @staticmethod
-    def _check_text(text: str, where: str) -> None:
-        for tok in _PLACEHOLDERS.values():
+    def _check_text(self, text: str, where: str) -> None:
+        for tok in self.placeholders.values():
             if tok in text:
                 raise ValueError(f"{where}: contains the reserved media placeholder {tok}")
 
@@ -354,20 +386,58 @@ class Qwen2_5OmniInputProcessor:
         spg = video.second_per_grid(self.video_config.temporal_patch_size)
         return _Video(pixels, grid, spg, video.content_hash, feats)
 
+    # ------------------------------------------------------------------ family hooks
+
+    def _audio_pads(self, feats: torch.Tensor) -> int:
+        """Placeholders of an audio with features [n_mels, frames]."""
+        return audio_tokens_for_frames(int(feats.shape[1]))
+
+    def _video_with_audio_run(self, grid: list[int], second_per_grid: float, n_audio: int
+                              ) -> list[int]:
+        """Pad ids of a video with its audio track: video and audio pads in 2-second chunks."""
+        runs = video_audio_layout(grid, second_per_grid, n_audio, self.rope_config)
+        video, audio = self.token_ids["video"], self.token_ids["audio"]
+        return [video if is_video else audio for is_video, n in runs for _ in range(n)]
+
+    # ------------------------------------------------------------ prompt assembly
+
     def _build(self, text: str, media: list[tuple[str, str, Any]], field: str,
                max_prompt_tokens: int | None, use_audio_in_video: bool = False
                ) -> ProcessedPrompt:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        for kind in _PLACEHOLDERS:  # before any decoding work
+        self._check_placeholders(ids, media, field)  # before any decoding work
+        loaded = self._load_media(media, use_audio_in_video)
+        expanded, items, audio_feats = self._expand(ids, loaded)
+        if max_prompt_tokens is not None and len(expanded) > max_prompt_tokens:
+            raise ValueError(f"{field}: prompt is {len(expanded)} tokens (with media), more than "
+                             f"max_prompt_tokens={max_prompt_tokens}")
+        vids = [v for _, v in loaded.videos]
+        video_pixels = torch.cat([v.pixel_values for v in vids]) if vids else None
+        video_grid = torch.tensor([v.grid for v in vids], dtype=torch.long) if vids else None
+        spg = torch.tensor([v.second_per_grid for v in vids]) if vids else None
+        positions, delta = self.mrope_positions(
+            expanded, loaded.image_grid, [f.shape[1] for f in audio_feats], self.rope_config,
+            video_grid_thw=video_grid, second_per_grid=spg, use_audio_in_video=use_audio_in_video)
+        return ProcessedPrompt(expanded, audio_feats, loaded.image_pixels, loaded.image_grid,
+                               items, positions, delta, text, video_pixels, video_grid, spg,
+                               use_audio_in_video, dict(self.token_ids))
+
+    def _check_placeholders(self, ids: list[int], media: list[tuple[str, str, Any]],
+                            field: str) -> None:
+        """One placeholder per media item of each kind."""
+        for kind, token in self.placeholders.items():
             wheres = [w for k, w, _ in media if k == kind]
             found = sum(1 for t in ids if t == self.token_ids[kind])
             if found < len(wheres):
-                raise ValueError(f"{wheres[found]}: the prompt has no {_PLACEHOLDERS[kind]} "
-                                 f"placeholder for this {kind} ({found} placeholders for "
-                                 f"{len(wheres)} items)")
+                raise ValueError(f"{wheres[found]}: the prompt has no {token} placeholder for "
+                                 f"this {kind} ({found} placeholders for {len(wheres)} items)")
             if found > len(wheres):
-                raise ValueError(f"{field}: the prompt has {found} {_PLACEHOLDERS[kind]} "
-                                 f"placeholders but {len(wheres)} {kind} items were given")
+                raise ValueError(f"{field}: the prompt has {found} {token} placeholders but "
+                                 f"{len(wheres)} {kind} items were given")
+
+    def _load_media(self, media: list[tuple[str, str, Any]], use_audio_in_video: bool
+                    ) -> _LoadedMedia:
+        """Decode and featurise every item (images through the image processor together)."""
         audios: list[tuple[torch.Tensor, bytes]] = []
         images, image_hashes, videos = [], [], []
         for kind, where, src in media:
@@ -386,10 +456,17 @@ class Qwen2_5OmniInputProcessor:
         if images:
             out = self.image_processor(images=images, return_tensors="pt")
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"].long()
-        merge = self.image_processor.merge_size
+        return _LoadedMedia(audios, pixel_values, grid, image_hashes, videos)
+
+    def _expand(self, ids: list[int], loaded: _LoadedMedia
+                ) -> tuple[list[int], list[MediaItem], list[torch.Tensor]]:
+        """Each placeholder -> its run of pads: (expanded ids, media items, audio features in
+        prompt order, video audio tracks included)."""
+        image_merge, video_merge = self.image_processor.merge_size, self.video_config.merge_size
+        cfg = self.rope_config
         expanded: list[int] = []
         items: list[MediaItem] = []
-        audio_feats: list[torch.Tensor] = []  # prompt order, video audio tracks included
+        audio_feats: list[torch.Tensor] = []
         seen = {"audio": 0, "image": 0, "video": 0}
         kind_of = {v: k for k, v in self.token_ids.items()}
         for pos, t in enumerate(ids):
@@ -400,50 +477,36 @@ class Qwen2_5OmniInputProcessor:
             k = seen[kind]
             seen[kind] += 1
             if kind == "audio":
-                feats, digest = audios[k]
+                feats, digest = loaded.audios[k]
                 audio_feats.append(feats)
-                n = audio_tokens_for_frames(feats.shape[1])
+                n = self._audio_pads(feats)
                 items.append(MediaItem(kind, k, len(expanded), n, digest))
                 expanded += [t] * n
             elif kind == "image":
-                n = int(grid[k].prod()) // merge**2
-                items.append(MediaItem(kind, k, len(expanded), n, image_hashes[k]))
+                n = int(loaded.image_grid[k].prod()) // image_merge**2
+                items.append(MediaItem(kind, k, len(expanded), n, loaded.image_hashes[k]))
                 expanded += [t] * n
             else:
-                where, v = videos[k]
+                where, v = loaded.videos[k]
                 if v.audio_features is None:
-                    n = int(np.prod(v.grid)) // merge**2
+                    n = math.prod(v.grid) // video_merge**2
                     items.append(MediaItem(kind, k, len(expanded), n, v.content_hash))
                     expanded += [t] * n
                     continue
                 self._check_video_wrapping(ids, pos, where)
-                n_audio = audio_tokens_for_frames(v.audio_features.shape[1])
-                runs = video_audio_layout(v.grid, v.second_per_grid, n_audio, self.rope_config)
-                run = [t if is_video else self.token_ids["audio"]
-                       for is_video, n in runs for _ in range(n)]
-                expanded.append(self.rope_config.audio_start_token_id)
+                n_audio = self._audio_pads(v.audio_features)
+                run = self._video_with_audio_run(v.grid, v.second_per_grid, n_audio)
+                expanded.append(cfg.audio_start_token_id)
                 items.append(MediaItem(kind, k, len(expanded), len(run), v.content_hash,
                                        audio_tokens=n_audio))
-                expanded += run + [self.rope_config.audio_end_token_id]
+                expanded += run + [cfg.audio_end_token_id]
                 audio_feats.append(v.audio_features)
-        if max_prompt_tokens is not None and len(expanded) > max_prompt_tokens:
-            raise ValueError(f"{field}: prompt is {len(expanded)} tokens (with media), more than "
-                             f"max_prompt_tokens={max_prompt_tokens}")
-        vids = [v for _, v in videos]
-        video_pixels = torch.cat([v.pixel_values for v in vids]) if vids else None
-        video_grid = torch.tensor([v.grid for v in vids], dtype=torch.long) if vids else None
-        spg = torch.tensor([v.second_per_grid for v in vids]) if vids else None
-        positions, delta = mrope_positions(
-            expanded, grid, [f.shape[1] for f in audio_feats], self.rope_config,
-            video_grid_thw=video_grid, second_per_grid=spg, use_audio_in_video=use_audio_in_video)
-        return ProcessedPrompt(expanded, audio_feats, pixel_values, grid, items, positions,
-                               delta, text, video_pixels, video_grid, spg, use_audio_in_video,
-                               dict(self.token_ids))
+        return expanded, items, audio_feats
 
     def _check_video_wrapping(self, ids: list[int], pos: int, where: str) -> None:
-        # the interleaved layout (and its positions) needs the video wrapped in vision bos/eos
+        # the interleaved layout (and its positions) needs the video wrapped in vision start/end
         cfg = self.rope_config
         if not (0 < pos < len(ids) - 1 and ids[pos - 1] == cfg.vision_start_token_id
                 and ids[pos + 1] == cfg.vision_end_token_id):
             raise ValueError(f"{where}: a video used with its audio must be placed as "
-                             f"<|vision_bos|>{VIDEO_TOKEN}<|vision_eos|> in the prompt")
+                             f"{self.video_with_audio_wrapping} in the prompt")

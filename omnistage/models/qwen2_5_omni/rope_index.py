@@ -25,8 +25,9 @@ import torch
 
 
 @dataclass(frozen=True)
-class Qwen2_5OmniRopeConfig:
-    """The thinker-config fields TMRoPE needs."""
+class MropeTokenConfig:
+    """The media token ids and merge size every 3-axis position layout (Qwen2.5-Omni's,
+    Qwen3-Omni's) reads; each family's config adds its own fields."""
 
     audio_token_id: int
     image_token_id: int
@@ -36,6 +37,18 @@ class Qwen2_5OmniRopeConfig:
     vision_start_token_id: int
     vision_end_token_id: int
     spatial_merge_size: int = 2
+
+
+def spatial_merge_size(cfg: Mapping[str, Any]) -> int:
+    """A thinker config's spatial merge size: top level, else in `vision_config`, else 2."""
+    return int(cfg.get("spatial_merge_size")
+               or (cfg.get("vision_config") or {}).get("spatial_merge_size", 2))
+
+
+@dataclass(frozen=True)
+class Qwen2_5OmniRopeConfig(MropeTokenConfig):
+    """The thinker-config fields TMRoPE needs."""
+
     position_id_per_seconds: float = 25
     seconds_per_chunk: float = 2.0
 
@@ -49,8 +62,6 @@ class Qwen2_5OmniRopeConfig:
                     return int(cfg[key])
             raise ValueError(f"thinker config: missing {name}_token_id")
 
-        merge = cfg.get("spatial_merge_size") or (cfg.get("vision_config") or {}).get(
-            "spatial_merge_size", 2)
         return cls(
             audio_token_id=token("audio"), image_token_id=token("image"),
             video_token_id=token("video"),
@@ -58,7 +69,7 @@ class Qwen2_5OmniRopeConfig:
             audio_end_token_id=int(cfg["audio_end_token_id"]),
             vision_start_token_id=int(cfg["vision_start_token_id"]),
             vision_end_token_id=int(cfg["vision_end_token_id"]),
-            spatial_merge_size=int(merge),
+            spatial_merge_size=spatial_merge_size(cfg),
             position_id_per_seconds=cfg.get("position_id_per_seconds", 25),
             seconds_per_chunk=cfg.get("seconds_per_chunk", 2.0))
 

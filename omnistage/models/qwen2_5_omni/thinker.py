@@ -3,6 +3,7 @@ embeddings at audio / image placeholders come from the audio and vision encoders
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +32,40 @@ class Qwen2_5OmniMediaInputs:
     video_positions: list[torch.Tensor] = field(default_factory=list)
 
 
+class OmniThinkerMedia:
+    """encode_media for a thinker with `audio_tower`, `visual` (with `merge`), `lm_head` and
+    `config.hidden_size`: one audio pass and one vision pass over the step's pending prompts.
+    `_visual_rows` and `prompt_row_width` say what a vision row holds (Qwen2.5: the
+    embedding; Qwen3: its deepstack rows beside it). Mixed in before nn.Module."""
+
+    @property
+    def prompt_row_width(self) -> int:
+        """The width of seq.prompt_embeds' rows."""
+        return self.config.hidden_size
+
+    def _visual_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Vision rows [N, prompt_row_width] of the step's images then videos."""
+        return self.visual(pixel_values, grid_thw)
+
+    @torch.inference_mode()
+    def encode_media(self, seqs: list[Sequence]) -> None:
+        """Run the encoders once over every pending prompt of the step and write each prompt's
+        rows into seq.prompt_embeds [P, prompt_row_width] (mask: seq.prompt_embeds_mask [P])."""
+        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        inputs = [s.pending_media for s in seqs]
+        audio = [f.to(device, dtype) for m in inputs for f in m.audio_features]
+        audio_rows = iter(self.audio_tower(audio) if audio else [])
+        visual_rows, video_offset = None, 0
+        visual = visual_inputs(inputs, self.visual.merge)
+        if visual is not None:
+            pixels, grids, video_offset = visual
+            visual_rows = self._visual_rows(pixels.to(device, dtype), grids.to(device))
+        write_media_rows(seqs, audio_rows, visual_rows, video_offset, self.config.hidden_size,
+                         self.prompt_row_width, device, dtype)
+
+
 @register_model("Qwen2_5OmniThinker")
-class Qwen2_5OmniThinkerForCausalLM(DecoderForCausalLM):
+class Qwen2_5OmniThinkerForCausalLM(OmniThinkerMedia, DecoderForCausalLM):
     """Checkpoint names (after the `thinker.` prefix): model.* / lm_head.* / audio_tower.* /
     visual.*, the same as ours."""
 
@@ -54,43 +87,51 @@ class Qwen2_5OmniThinkerForCausalLM(DecoderForCausalLM):
             return None  # tied: the embedding is the head
         return name
 
-    # ---------------------------------------------------------------- media
-    @torch.inference_mode()
-    def encode_media(self, seqs: list[Sequence]) -> None:
-        """Run the encoders once over every pending prompt of the step and write each prompt's
-        placeholder rows into seq.prompt_embeds [P, D] (mask: seq.prompt_embeds_mask [P])."""
-        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
-        inputs = [s.pending_media for s in seqs]
-        audio = [f.to(device, dtype) for m in inputs for f in m.audio_features]
-        audio_out = iter(self.audio_tower(audio) if audio else [])
-        # images and videos in one vision pass (each grid is encoded on its own)
-        vis = [(m.pixel_values, m.image_grid_thw) for m in inputs if m.pixel_values is not None]
-        vis += [(m.video_pixel_values, m.video_grid_thw) for m in inputs
-                if m.video_pixel_values is not None]
-        vis_out, offset = None, {"image": 0, "video": 0}
-        if vis:
-            grids = torch.cat([g for _, g in vis])
-            vis_out = self.visual(torch.cat([p for p, _ in vis]).to(device, dtype),
-                                  grids.to(device))
-            offset["video"] = sum(int(m.image_grid_thw.prod(-1).sum()) for m in inputs
-                                  if m.pixel_values is not None) // self.visual.merge**2
-        for seq, m in zip(seqs, inputs):
-            embeds = torch.zeros(seq.num_prompt_tokens, self.config.hidden_size,
-                                 device=device, dtype=dtype)
-            mask = torch.zeros(seq.num_prompt_tokens, dtype=torch.bool, device=device)
-            for idx in m.audio_positions:
-                feats = next(audio_out)
-                if feats.shape[0] != idx.numel():
-                    raise ValueError(f"audio placeholder count {idx.numel()} != encoder rows "
-                                     f"{feats.shape[0]}")
-                embeds[idx.to(device)], mask[idx.to(device)] = feats, True
-            for kind, positions in (("image", m.image_positions), ("video", m.video_positions)):
-                for idx in positions:
-                    n, o = idx.numel(), offset[kind]
-                    embeds[idx.to(device)], mask[idx.to(device)] = vis_out[o:o + n], True
-                    offset[kind] += n
-            seq.prompt_embeds, seq.prompt_embeds_mask = embeds, mask
-            seq.pending_media = None
+
+def visual_inputs(inputs: list[Qwen2_5OmniMediaInputs], merge: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """The step's images, then its videos, for one vision pass (each grid is encoded on its
+    own): (pixel_values, grid_thw [n, 3], the index of the first video row in the encoder's
+    output); None when there are none."""
+    vis = [(m.pixel_values, m.image_grid_thw) for m in inputs if m.pixel_values is not None]
+    vis += [(m.video_pixel_values, m.video_grid_thw) for m in inputs
+            if m.video_pixel_values is not None]
+    if not vis:
+        return None
+    video_offset = sum(int(m.image_grid_thw.prod(-1).sum()) for m in inputs
+                       if m.pixel_values is not None) // merge**2
+    return torch.cat([p for p, _ in vis]), torch.cat([g for _, g in vis]), video_offset
+
+
+def write_media_rows(seqs: list[Sequence], audio_rows: Iterator[torch.Tensor],
+                     visual_rows: torch.Tensor | None, video_offset: int, width: int,
+                     row_width: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Write each pending prompt's seq.prompt_embeds [P, row_width] (zeros but at its media
+    positions) and seq.prompt_embeds_mask [P] (True there), and clear seq.pending_media.
+    audio_rows: each audio's encoder rows [n, width] in the step's prompt order (they fill a
+    position's first `width` columns); visual_rows [N, row_width]: the vision pass over
+    visual_inputs' pixels (image rows, then video rows from `video_offset`)."""
+    offset = {"image": 0, "video": video_offset}
+    for seq in seqs:
+        m = seq.pending_media
+        embeds = torch.zeros(seq.num_prompt_tokens, row_width, device=device, dtype=dtype)
+        mask = torch.zeros(seq.num_prompt_tokens, dtype=torch.bool, device=device)
+        for idx in m.audio_positions:
+            feats = next(audio_rows)
+            if feats.shape[0] != idx.numel():
+                raise ValueError(f"audio placeholder count {idx.numel()} != encoder rows "
+                                 f"{feats.shape[0]}")
+            embeds[idx.to(device), :width], mask[idx.to(device)] = feats, True
+        for kind, positions in (("image", m.image_positions), ("video", m.video_positions)):
+            for idx in positions:
+                n, o = idx.numel(), offset[kind]
+                if visual_rows is None or o + n > visual_rows.shape[0]:
+                    raise ValueError(f"{kind} placeholder count exceeds the encoder rows "
+                                     f"{0 if visual_rows is None else visual_rows.shape[0]}")
+                embeds[idx.to(device)], mask[idx.to(device)] = visual_rows[o:o + n], True
+                offset[kind] += n
+        seq.prompt_embeds, seq.prompt_embeds_mask = embeds, mask
+        seq.pending_media = None
 
 
 def thinker_sequence(request_id: str, prompt: ProcessedPrompt, params, seed: int,

@@ -52,6 +52,52 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D rotary on q, k [N, heads, head_dim] with cos, sin [N, 1, head_dim], in fp32."""
+    q = (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype)
+    k = (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype)
+    return q, k
+
+
+def axial_inv_freq(dim: int, num_heads: int, theta: float) -> torch.Tensor:
+    """Frequencies [head_dim / 4] of the 2-D rotary: half the rotated channels turn with the
+    patch row, half with its column."""
+    head_dim = dim // num_heads
+    if dim % num_heads or head_dim % 4:
+        raise ValueError("vision_config.hidden_size / num_heads must be a multiple of 4")
+    half = head_dim // 2
+    return 1.0 / theta ** (torch.arange(0, half, 2).float() / half)
+
+
+def axial_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) positions [N, 2] -> cos, sin [N, 1, head_dim] (fp32) for rotate_qk."""
+    angles = (positions[..., None].float() * inv_freq).flatten(1)  # [N, head_dim/2]: rows|cols
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+def validate_patches(pixel_values: torch.Tensor, grid_thw: torch.Tensor, patch_dim: int,
+                     merge: int) -> list[list[int]]:
+    """Check pixel_values [patches, patch_dim] against grid_thw [n, 3] -> the grids as lists."""
+    if pixel_values.dim() != 2 or pixel_values.shape[1] != patch_dim:
+        raise ValueError(f"pixel_values must be [num_patches, {patch_dim}], "
+                         f"got {tuple(pixel_values.shape)}")
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
+        raise ValueError(f"grid_thw must be [n_images, 3], got {tuple(grid_thw.shape)}")
+    grid = grid_thw.tolist()
+    for i, (t, h, w) in enumerate(grid):
+        if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+            raise ValueError(f"grid_thw[{i}] = {[t, h, w]}: sizes must be positive and h, w "
+                             f"multiples of spatial_merge_size {merge}")
+    total = sum(t * h * w for t, h, w in grid)
+    if total != pixel_values.shape[0]:
+        raise ValueError(f"grid_thw covers {total} patches, pixel_values has "
+                         f"{pixel_values.shape[0]}")
+    return grid
+
+
 class Qwen2_5OmniVisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -66,8 +112,7 @@ class Qwen2_5OmniVisionAttention(nn.Module):
         # x: [N, dim]; cos, sin: [N, 1, head_dim] fp32
         shape = (x.shape[0], self.num_heads, -1)
         q, k, v = (p(x).view(shape) for p in (self.q, self.k, self.v))
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = rotate_qk(q, k, cos, sin)
         return self.proj(segment_attention(q, k, v, plan).flatten(1))
 
 
@@ -110,7 +155,7 @@ class Qwen2_5OmniVisionPatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.mlp[0].in_features))
 
 
-def _patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
+def patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
     """(row, col) of every patch in the processor's order: merge units row-major, then the
     merge x merge patches inside each unit row-major; repeated per frame. Returns [t*h*w, 2]."""
     grid = (h // merge, merge, w // merge, merge)
@@ -157,13 +202,8 @@ class Qwen2_5OmniVisionEncoder(nn.Module):
             raise ValueError(f"vision_config.hidden_act {act_name!r} is not one of "
                              f"{list(_ACTIVATIONS)}")
         num_heads = config["num_heads"]
-        head_dim = dim // num_heads
-        if dim % num_heads or head_dim % 4:
-            raise ValueError("vision_config.hidden_size / num_heads must be a multiple of 4")
         theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        half = head_dim // 2  # half the channels rotate with the row, half with the column
-        self.register_buffer(
-            "inv_freq", 1.0 / theta ** (torch.arange(0, half, 2).float() / half), persistent=False)
+        self.register_buffer("inv_freq", axial_inv_freq(dim, num_heads, theta), persistent=False)
 
         self.patch_embed = Qwen2_5OmniVisionPatchEmbed(
             self.in_channels, self.temporal_patch, self.patch_size, dim)
@@ -173,27 +213,10 @@ class Qwen2_5OmniVisionEncoder(nn.Module):
             for _ in range(config["depth"]))
         self.merger = Qwen2_5OmniVisionPatchMerger(dim, config["out_hidden_size"], self.merge_unit)
 
-    def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[list[int]]:
-        patch_dim = self.in_channels * self.temporal_patch * self.patch_size**2
-        if pixel_values.dim() != 2 or pixel_values.shape[1] != patch_dim:
-            raise ValueError(f"pixel_values must be [num_patches, {patch_dim}], "
-                             f"got {tuple(pixel_values.shape)}")
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
-            raise ValueError(f"grid_thw must be [n_images, 3], got {tuple(grid_thw.shape)}")
-        grid = grid_thw.tolist()
-        for i, (t, h, w) in enumerate(grid):
-            if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-                raise ValueError(f"grid_thw[{i}] = {[t, h, w]}: sizes must be positive and h, w "
-                                 f"multiples of spatial_merge_size {self.merge}")
-        total = sum(t * h * w for t, h, w in grid)
-        if total != pixel_values.shape[0]:
-            raise ValueError(f"grid_thw covers {total} patches, pixel_values has "
-                             f"{pixel_values.shape[0]}")
-        return grid
-
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         # pixel_values: [sum t*h*w, C*tp*p*p]; grid_thw: [n, 3] -> [sum t*h*w / merge^2, out]
-        grid = self._validate(pixel_values, grid_thw)
+        patch_dim = self.in_channels * self.temporal_patch * self.patch_size**2
+        grid = validate_patches(pixel_values, grid_thw, patch_dim, self.merge)
         device = pixel_values.device
         orders, window_lens, frame_lens, positions = [], [], [], []
         offset = 0
@@ -204,15 +227,13 @@ class Qwen2_5OmniVisionEncoder(nn.Module):
             offset += order.numel()
             window_lens += [n * self.merge_unit for n in units_per_window]
             frame_lens += [h * w] * t
-            positions.append(_patch_positions(t, h, w, self.merge))
+            positions.append(patch_positions(t, h, w, self.merge))
         unit_order = torch.cat(orders)
         unit_patches = torch.arange(self.merge_unit)
         token_order = (unit_order[:, None] * self.merge_unit + unit_patches).flatten()
         pos = torch.cat(positions)[token_order].to(device)  # [N, 2]
 
-        angles = (pos[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim/2]: rows|cols
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = axial_cos_sin(pos, self.inv_freq)
         # windows never cross a frame, so the window order keeps frames contiguous too
         window_plan = build_segment_plan(window_lens, device)
         frame_plan = build_segment_plan(frame_lens, device)

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.checkpoint import load_parameters
 from omnistage.models.qwen2_5_omni.audio_encoder import (
-    SegmentPlan,
+    Qwen2_5OmniAudioEncoderLayer,
     build_segment_plan,
-    segment_attention,
     sinusoid_positions,
+    validate_features,
 )
 
 AUDIO_CHECKPOINT_PREFIX = "thinker.audio_tower."
@@ -36,29 +37,6 @@ def activation(name: str, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _ACTIVATIONS[name]
 
 
-def load_named_tensors(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       prefix: str) -> None:
-    """Copies checkpoint tensors into `module`'s parameters by name (a leading `prefix` is
-    stripped); raises ValueError for an unknown name, a wrong shape or a missing parameter."""
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    for name, tensor in named_tensors:
-        ours = name.removeprefix(prefix)
-        if ours not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-        param = params[ours]
-        if param.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
-        loaded.add(ours)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
-
-
 def _conv_stem_length(frames: int) -> int:
     """Rows left after the stem's three stride-2 convs (kernel 3, padding 1): ceil-halve x3."""
     for _ in range(3):
@@ -66,40 +44,12 @@ def _conv_stem_length(frames: int) -> int:
     return frames
 
 
-class Qwen3OmniAudioAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"audio_config.d_model {dim} is not divisible by "
-                             f"encoder_attention_heads {num_heads}")
-        self.num_heads = num_heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
+class Qwen3OmniAudioEncoderLayer(Qwen2_5OmniAudioEncoderLayer):
+    """Qwen2.5-Omni's audio encoder layer with a biased k_proj and the config's activation."""
 
-    def forward(self, x: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        # x: [N, dim]
-        shape = (x.shape[0], self.num_heads, -1)
-        q, k, v = (p(x).view(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(segment_attention(q, k, v, plan).flatten(1))
-
-
-class Qwen3OmniAudioEncoderLayer(nn.Module):
     def __init__(self, dim: int, num_heads: int, ffn_dim: int,
                  act: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.self_attn = Qwen3OmniAudioAttention(dim, num_heads)
-        self.self_attn_layer_norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, dim)
-        self.final_layer_norm = nn.LayerNorm(dim)
-        self.act = act
-
-    def forward(self, x: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        # x: [N, dim] (pre-norm residual blocks)
-        x = x + self.self_attn(self.self_attn_layer_norm(x), plan)
-        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+        super().__init__(dim, num_heads, ffn_dim, act, key_bias=True)
 
 
 class Qwen3OmniAudioEncoder(nn.Module):
@@ -172,18 +122,8 @@ class Qwen3OmniAudioEncoder(nn.Module):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads checkpoint tensors named as `thinker.audio_tower.*` or without that prefix."""
-        load_named_tensors(self, named_tensors, AUDIO_CHECKPOINT_PREFIX)
-
-    def _validate(self, features: list[torch.Tensor]) -> None:
-        if not isinstance(features, (list, tuple)) or not features:
-            raise ValueError("features must be a non-empty list of [num_mel_bins, frames] tensors")
-        for i, f in enumerate(features):
-            if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[0] != self.num_mel_bins:
-                shape = tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
-                raise ValueError(f"features[{i}] must be [{self.num_mel_bins}, frames], "
-                                 f"got {shape}")
-            if f.shape[1] < 1:
-                raise ValueError(f"features[{i}] has no frames")
+        load_parameters(self, named_tensors,
+                        rename=lambda name: name.removeprefix(AUDIO_CHECKPOINT_PREFIX))
 
     def _stem(self, chunks: torch.Tensor) -> torch.Tensor:
         # chunks: [C, mel, L] -> [C, L', dim] (L' = rows after the stem, positions added)
@@ -229,7 +169,7 @@ class Qwen3OmniAudioEncoder(nn.Module):
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         # features[i]: [num_mel_bins, frames_i] (valid frames only) -> per audio [N_i, output_dim]
-        self._validate(features)
+        validate_features(features, self.num_mel_bins)
         x, rows_per_audio = self._embed_chunks(features)
         windows = []
         for rows in rows_per_audio:

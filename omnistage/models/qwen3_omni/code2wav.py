@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.checkpoint import load_parameters
 from omnistage.models.layers import RMSNorm
 
 SAMPLE_RATE = 24000
@@ -459,25 +460,8 @@ class Qwen3OmniCode2Wav(nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (names without the `code2wav.` prefix) into the parameters;
         ValueError on an unknown name, a shape mismatch or a missing tensor."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in tensors:
-            if name.endswith(("rotary_emb.inv_freq", "rotary_emb.original_inv_freq",
-                              "code_offset")):
-                continue  # derived from the config
-            if name not in params:
-                raise ValueError(f"checkpoint tensor code2wav.{name}: no such parameter")
-            p = params[name]
-            if p.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor code2wav.{name}: shape "
-                                 f"{tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing code2wav tensors: {missing[:8]}"
-                             f"{' ...' if len(missing) > 8 else ''}")
+        load_parameters(self, tensors, shown_prefix="code2wav.",  # code_offset: from the config
+                        rename=lambda name: None if name.endswith("code_offset") else name)
 
     # ---------------------------------------------------------------- decoding
     def check_codes(self, codes: torch.Tensor, name: str = "codes") -> None:

@@ -14,26 +14,22 @@ from typing import Any
 
 import torch
 
-from omnistage.checkpoint import eos_token_ids, load_generation_config
 from omnistage.config.schema import PipelineConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.engine.gen import GenStageWorker
 from omnistage.layers.moe import SparseMoE
-from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, kv_fraction, stage_roles
+from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, talker_worker, thinker_worker
 from omnistage.models.qwen3_omni.code2wav_stage import (SAMPLE_RATE, Qwen3OmniCode2WavRequest,
                                                         pop_code2wav_options)
 from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor
 from omnistage.models.qwen3_omni.rope_index import Qwen3OmniRopeConfig, talker_positions
 from omnistage.models.qwen3_omni.talker import (Qwen3OmniTalkerForCausalLM, ResidualSampling,
                                                 talker_default_params, talker_sequence)
-from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM, thinker_sequence
+from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
-from omnistage.runtime.build import (StageContext, build_stage_model, build_stages,
-                                     generation_defaults, new_request_id, resolve_seed,
-                                     stage_engine_config)
+from omnistage.runtime.build import StageContext, build_stage_model
 from omnistage.runtime.orchestrator import RuntimeRequest
-from omnistage.runtime.stage import ARStageWorker, StageLink
+from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams
 
 DEFAULT_VOICE = "Ethan"  # transformers' generate default speaker
@@ -56,19 +52,13 @@ def quantize_experts(model: torch.nn.Module, quantization: str | None) -> None:
 
 @register_stage("Qwen3OmniMoeThinker", "ar")
 def build_thinker(ctx: StageContext) -> ARStageWorker:
-    model_cfg = ctx.config["thinker_config"]
     tokenizer = Qwen3OmniInputProcessor.from_pretrained(ctx.path).tokenizer
-    gen_cfg = load_generation_config(ctx.path)
-    model = build_stage_model(Qwen3OmniThinkerForCausalLM, model_cfg, ctx, "thinker.")
+    model = build_stage_model(Qwen3OmniThinkerForCausalLM, ctx.config["thinker_config"], ctx,
+                              "thinker.")
     quantize_experts(model, ctx.options.get("quantization"))
     if has_talker(ctx.config):  # the talker reads this layer's rows at media placeholders
         model.export_layer = ctx.config["talker_config"]["accept_hidden_layer"]
-    cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
-                              kv_fraction(ctx, 0.45), ctx.stage.engine)
-    engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
-                      eos_token_ids(gen_cfg, ctx.config, None))
-    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
-    return ARStageWorker(ctx.name, engine, priority=-2)
+    return thinker_worker(ctx, model, tokenizer)
 
 
 @register_stage("Qwen3OmniMoeTalker", "ar")
@@ -77,18 +67,16 @@ def build_talker(ctx: StageContext) -> ARStageWorker:
     model = build_stage_model(Qwen3OmniTalkerForCausalLM, model_cfg, ctx, "talker.")
     quantize_experts(model, ctx.options.get("quantization"))
     model.residual_sampling = ResidualSampling(**ctx.stage.residual_sampling.model_dump())
-    cfg = stage_engine_config(model_cfg["text_config"].get("max_position_embeddings", 32768),
-                              kv_fraction(ctx, 0.5), ctx.stage.engine)
-    engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
-    params = ctx.stage.default_sampling.apply(talker_default_params(model_cfg))
-    # decode steps add the thinker's text rows (of the talker's width)
-    engine.runner.warmup_graphs([params], model.config.hidden_size)
-    return ARStageWorker(ctx.name, engine, priority=-1)
+    # the thinker's text rows are of the talker's width
+    return talker_worker(ctx, model,
+                         model_cfg["text_config"].get("max_position_embeddings", 32768),
+                         talker_default_params(model_cfg), model.config.hidden_size)
 
 
 @register_pipeline("qwen3_omni")
 class Qwen3OmniPipeline(ThinkerTalkerPipeline):
     ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration",)
+    family = "Qwen3-Omni"
 
     @classmethod
     def matches(cls, config: dict) -> bool:
@@ -98,26 +86,9 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
 
     def __init__(self, path, config: dict, pipeline: PipelineConfig, device: torch.device,
                  dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
-        thinker_cfg = config.get("thinker_config")
-        if not thinker_cfg:
-            raise ValueError(f"model: {path}/config.json has no thinker_config")
         options = self.split_options(engine_options, pop_code2wav_options)
-        self.config = pipeline
-        self.roles = stage_roles(pipeline)
-        st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
-        if st is None:
-            raise ValueError("pipeline: a Qwen3-Omni pipeline needs a stage with output: text")
-        self.processor = Qwen3OmniInputProcessor.from_pretrained(path)
-        self.tokenizer = self.processor.tokenizer
-        gen_cfg = load_generation_config(path)
-        text_cfg = thinker_cfg["text_config"]
-        self.thinker_vocab_size = text_cfg["vocab_size"]
-        self.thinker_eos = eos_token_ids(gen_cfg, config, None)
-        self.max_model_len = stage_engine_config(
-            text_cfg.get("max_position_embeddings", 32768), options["engine"],
-            st.engine).max_model_len
-        self.default_params: dict[str, SamplingParams] = {
-            st.name: st.default_sampling.apply(generation_defaults(gen_cfg))}
+        st, sk, sc = self._init_front(path, config, pipeline, options, Qwen3OmniInputProcessor)
+        thinker_cfg = config["thinker_config"]
         speaks = bool(sk and sc and has_talker(config))
         stages = [st] + ([sk, sc] if speaks else [])
         self.output_modalities = ["text", "audio"] if speaks else ["text"]
@@ -146,22 +117,7 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
             self.codec_eos = talker_cfg["codec_eos_token_id"]
             self.default_params[sk.name] = sk.default_sampling.apply(talker_defaults)
             self.default_params[sc.name] = SamplingParams()
-        self.stage_order = [s.name for s in stages]
-        self.workers, self.process_stages = build_stages(path, config, pipeline, stages, device,
-                                                         dtype, options)
-
-    # the stage models and workers of this process (tests, benchmarks)
-    @property
-    def thinker(self) -> Qwen3OmniThinkerForCausalLM:
-        return self.stage_model("thinker")
-
-    @property
-    def talker(self) -> Qwen3OmniTalkerForCausalLM:
-        return self.stage_model("talker")
-
-    @property
-    def code2wav(self) -> GenStageWorker:
-        return self.workers[self.roles["code2wav"].name]
+        self._build_workers(stages, path, config, device, dtype, options)
 
     @property
     def engines_by_role(self) -> dict[str, AREngine]:
@@ -169,20 +125,14 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
                 if s is not None and isinstance(self.workers.get(s.name), ARStageWorker)}
 
     # ---------------------------------------------------------------- requests
-    def thinker_sequence(self, processed, p: SamplingParams, index: int) -> Sequence:
-        return thinker_sequence(new_request_id(index), processed, p, resolve_seed(p))
-
     def prepare_audio(self, req: RuntimeRequest, seq: Sequence, processed: Any, prompt: Any,
                       params: dict[str, SamplingParams], where: str) -> None:
-        names = {role: (s.name if s else None) for role, s in self.roles.items()}
         voice = prompt.get("voice") if isinstance(prompt, dict) else None
         voice = DEFAULT_VOICE if voice is None else voice
         if not isinstance(voice, str) or voice.lower() not in self.voices:
             raise ValueError(f"{where}.voice: {voice!r} is not available; voices: "
                              f"{sorted(self.voices)}")
-        tp = params[names["talker"]]
-        tp.validate(where.replace("prompts", "sampling_params") + f"[{names['talker']}]",
-                    self.talker_vocab_size)
+        tp = self._talker_params(params, where)
         # the codec's special ids are never codes (code2wav could not decode them): suppressed
         # and eos a stop whatever the request's talker params say
         tp = dataclasses.replace(
@@ -206,14 +156,10 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
         talker_seq = talker_sequence(seq.request_id, adapter, c["codec_pad_id"], positions,
                                      delta, tp, tseed)
         to_code2wav = ADAPTER_REGISTRY[self.roles["code2wav"].inputs[0].adapter](self.codec_eos)
-        req.path += [names["talker"], names["code2wav"]]
-        req.stage_requests.update({names["talker"]: talker_seq,
-                                   names["code2wav"]: Qwen3OmniCode2WavRequest()})
-        req.links = [StageLink(names["thinker"], names["talker"], adapter),
-                     StageLink(names["talker"], names["code2wav"], to_code2wav)]
-        req.audio_stage, req.sample_rate = names["code2wav"], SAMPLE_RATE
-        stops = set(tp.stop_token_ids)
-        req.finalize = lambda out: self._finalize_frames(out, names["talker"], stops)
+        self._route_audio(req, adapter, talker_seq, to_code2wav, Qwen3OmniCode2WavRequest(),
+                          SAMPLE_RATE)
+        talker, stops = self.roles["talker"].name, set(tp.stop_token_ids)
+        req.finalize = lambda out: self._finalize_frames(out, talker, stops)
 
     def _finalize_frames(self, out, talker: str, stops: set[int]) -> None:
         """Codebook 0 without its stop code; `codes` = the frames that became audio."""

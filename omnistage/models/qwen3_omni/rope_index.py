@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from omnistage.models.qwen2_5_omni.rope_index import MropeTokenConfig, spatial_merge_size
+
 if TYPE_CHECKING:
     from omnistage.models.qwen2_5_omni.processor import ProcessedPrompt
 
@@ -41,17 +43,9 @@ TALKER_ASSISTANT_PROMPT_LEN = 9
 
 
 @dataclass(frozen=True)
-class Qwen3OmniRopeConfig:
+class Qwen3OmniRopeConfig(MropeTokenConfig):
     """The config fields the 3-axis positions need (thinker or talker token ids)."""
 
-    audio_token_id: int
-    image_token_id: int
-    video_token_id: int
-    audio_start_token_id: int
-    audio_end_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    spatial_merge_size: int = 2
     position_id_per_seconds: float = 13
     n_window: int = 50  # the audio encoder's, for the AuT length rule
 
@@ -70,8 +64,6 @@ class Qwen3OmniRopeConfig:
             return int(value)
 
         audio = audio_config if audio_config is not None else (cfg.get("audio_config") or {})
-        merge = cfg.get("spatial_merge_size") or (cfg.get("vision_config") or {}).get(
-            "spatial_merge_size", 2)
         vision_start, audio_start = need("vision_start_token_id"), need("audio_start_token_id")
         return cls(
             audio_token_id=need("audio_token_id"), image_token_id=need("image_token_id"),
@@ -79,7 +71,7 @@ class Qwen3OmniRopeConfig:
             audio_end_token_id=int(cfg.get("audio_end_token_id") or audio_start + 1),
             vision_start_token_id=vision_start,
             vision_end_token_id=int(cfg.get("vision_end_token_id") or vision_start + 1),
-            spatial_merge_size=int(merge),
+            spatial_merge_size=spatial_merge_size(cfg),
             position_id_per_seconds=cfg.get("position_id_per_seconds", 13),
             n_window=int(audio.get("n_window", 50)))
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
+from omnistage.engine.ar.interface import DecoderContract, ForwardBatch, merge_inputs
 from omnistage.engine.ar.sampler import SamplingTensors, sample
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.layers.moe_decoder import MoEDecoderConfig, MoEDecoderModel, load_named_tensors
@@ -123,7 +123,7 @@ class CodePredictor(nn.Module):
 
 
 @register_model("Qwen3OmniMoeTalker")
-class Qwen3OmniTalkerForCausalLM(nn.Module):
+class Qwen3OmniTalkerForCausalLM(DecoderContract, nn.Module):
     """Checkpoint names (after `talker.`): model.codec_embedding, model.layers.*, model.norm,
     codec_head, text_projection.*, hidden_projection.*, code_predictor.*."""
 
@@ -145,24 +145,10 @@ class Qwen3OmniTalkerForCausalLM(nn.Module):
                                             self.num_code_groups)
         self.residual_sampling = ResidualSampling()
 
-    # ---------------------------------------------------------------- engine contract
+    # ------------------------------------------ engine contract (the rest: DecoderContract)
     @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def attention_layers(self) -> list[nn.Module]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.codec_embedding(input_ids)
-
-    def embed_row(self, token_id: int) -> torch.Tensor:
-        return self.model.codec_embedding.weight[token_id]
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.codec_embedding  # the talker's ids are codec codes
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(merge_inputs(self.embed(batch.input_ids), batch), batch)[0]

@@ -18,23 +18,18 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
-from omnistage.engine.ar.sequence import MediaSpan, Sequence
-from omnistage.layers.moe_decoder import (
-    MoEAttention,
-    MoEDecoderConfig,
-    MoEDecoderModel,
-    load_named_tensors,
-)
-from omnistage.models.qwen2_5_omni.processor import ProcessedPrompt
-from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniMediaInputs
+from omnistage.engine.ar.interface import DecoderContract, ForwardBatch, merge_inputs
+from omnistage.layers.moe_decoder import MoEDecoderConfig, MoEDecoderModel, load_named_tensors
+# a processed prompt -> its engine Sequence: Qwen2.5-Omni's (the same prompt and media rows)
+from omnistage.models.qwen2_5_omni.thinker import thinker_sequence as thinker_sequence
+from omnistage.models.qwen2_5_omni.thinker import OmniThinkerMedia
 from omnistage.models.qwen3_omni.audio_encoder import Qwen3OmniAudioEncoder
 from omnistage.models.qwen3_omni.vision_encoder import Qwen3OmniVisionEncoder
 from omnistage.models.registry import register_model
 
 
 @register_model("Qwen3OmniMoeThinker")
-class Qwen3OmniThinkerForCausalLM(nn.Module):
+class Qwen3OmniThinkerForCausalLM(OmniThinkerMedia, DecoderContract, nn.Module):
     """The engine's model contract (engine/ar/interface.py) for the thinker.
 
     Checkpoint names (after the `thinker.` prefix): model.embed_tokens / model.layers.N.* /
@@ -67,26 +62,7 @@ class Qwen3OmniThinkerForCausalLM(nn.Module):
         self.visual = Qwen3OmniVisionEncoder(vision)
         self.export_layer: int | None = None
 
-    # ---------------------------------------------------------------- engine contract
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def attention_layers(self) -> list[MoEAttention]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def embed_row(self, token_id: int) -> torch.Tensor:
-        """embed of one id, [D]: a view of the table's row (no id tensor, no kernel)."""
-        return self.model.embed_tokens.weight[token_id]
-
+    # ------------------------------------------ engine contract (the rest: DecoderContract)
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final-normed hidden [T, D] (with export_layer: [T, 2D], class note)."""
         deepstack = None
@@ -118,72 +94,15 @@ class Qwen3OmniThinkerForCausalLM(nn.Module):
         load_named_tensors(self, tensors, skip=lambda name: tied and name == "lm_head.weight")
 
     # ---------------------------------------------------------------- media
-    @torch.inference_mode()
-    def encode_media(self, seqs: list[Sequence]) -> None:
-        """Run the encoders once over every pending prompt of the step and write each prompt's
-        rows into seq.prompt_embeds [P, D * (1 + n_deepstack)] (layout: module note; mask:
-        seq.prompt_embeds_mask [P])."""
-        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
-        width = self.config.hidden_size
-        inputs = [s.pending_media for s in seqs]
-        audio = [f.to(device, dtype) for m in inputs for f in m.audio_features]
-        audio_out = iter(self.audio_tower(audio) if audio else [])
-        vis_rows, offset = self._encode_visual(inputs, device, dtype)
-        for seq, m in zip(seqs, inputs):
-            embeds = torch.zeros(seq.num_prompt_tokens, width * (1 + self.num_deepstack),
-                                 device=device, dtype=dtype)
-            mask = torch.zeros(seq.num_prompt_tokens, dtype=torch.bool, device=device)
-            for idx in m.audio_positions:
-                feats = next(audio_out)
-                if feats.shape[0] != idx.numel():
-                    raise ValueError(f"audio placeholder count {idx.numel()} != encoder rows "
-                                     f"{feats.shape[0]}")
-                embeds[idx.to(device), :width], mask[idx.to(device)] = feats, True
-            for kind, positions in (("image", m.image_positions), ("video", m.video_positions)):
-                for idx in positions:
-                    n, o = idx.numel(), offset[kind]
-                    if o + n > vis_rows.shape[0]:
-                        raise ValueError(f"{kind} placeholder count exceeds the encoder rows "
-                                         f"{vis_rows.shape[0]}")
-                    embeds[idx.to(device)], mask[idx.to(device)] = vis_rows[o:o + n], True
-                    offset[kind] += n
-            seq.prompt_embeds, seq.prompt_embeds_mask = embeds, mask
-            seq.pending_media = None
+    @property
+    def prompt_row_width(self) -> int:
+        """seq.prompt_embeds' rows: D * (1 + n_deepstack) (module note)."""
+        return self.config.hidden_size * (1 + self.num_deepstack)
 
-    def _encode_visual(self, inputs: list[Qwen2_5OmniMediaInputs], device: torch.device,
-                       dtype: torch.dtype) -> tuple[torch.Tensor | None, dict[str, int]]:
-        """Images and videos of the step in one vision pass -> (rows [N, D * (1 + n_ds)]: the
-        embedding and its deepstack rows side by side; the first video row's index)."""
-        vis = [(m.pixel_values, m.image_grid_thw) for m in inputs if m.pixel_values is not None]
-        vis += [(m.video_pixel_values, m.video_grid_thw) for m in inputs
-                if m.video_pixel_values is not None]
-        offset = {"image": 0, "video": 0}
-        if not vis:
-            return None, offset
-        grids = torch.cat([g for _, g in vis])
-        embeds, deepstack = self.visual(torch.cat([p for p, _ in vis]).to(device, dtype),
-                                        grids.to(device))
+    def _visual_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision embedding and its deepstack rows side by side [N, prompt_row_width]."""
+        embeds, deepstack = self.visual(pixel_values, grid_thw)
         if len(deepstack) != self.num_deepstack:
             raise ValueError(f"vision encoder gave {len(deepstack)} deepstack sets, expected "
                              f"{self.num_deepstack} (vision_config.deepstack_visual_indexes)")
-        offset["video"] = sum(int(m.image_grid_thw.prod(-1).sum()) for m in inputs
-                              if m.pixel_values is not None) // self.visual.merge**2
-        return torch.cat([embeds, *deepstack], dim=-1), offset
-
-
-def thinker_sequence(request_id: str, prompt: ProcessedPrompt, params, seed: int,
-                     export_hidden: bool = False) -> Sequence:
-    """An engine Sequence for a processed Qwen3-Omni prompt (encoder inputs left pending until
-    the step that first schedules it)."""
-    seq = Sequence(request_id, list(prompt.input_ids), params, seed,
-                   media=[MediaSpan(m.start, m.start + m.length, m.content_hash)
-                          for m in prompt.media],
-                   mrope_positions=prompt.mrope_positions, rope_delta=prompt.rope_delta,
-                   export_hidden=export_hidden)
-    if prompt.media:
-        rows = prompt.media_rows()
-        seq.pending_media = Qwen2_5OmniMediaInputs(
-            list(prompt.audio_features), prompt.image_pixel_values, prompt.image_grid_thw,
-            rows["audio"], rows["image"], prompt.video_pixel_values, prompt.video_grid_thw,
-            rows["video"])
-    return seq
+        return torch.cat([embeds, *deepstack], dim=-1)

@@ -14,13 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.checkpoint import load_parameters
 from omnistage.models.qwen2_5_omni.audio_encoder import (
     SegmentPlan,
     build_segment_plan,
     segment_attention,
 )
-from omnistage.models.qwen2_5_omni.vision_encoder import _patch_positions, _rotate_half
-from omnistage.models.qwen3_omni.audio_encoder import activation, load_named_tensors
+from omnistage.models.qwen2_5_omni.vision_encoder import (
+    axial_cos_sin,
+    axial_inv_freq,
+    patch_positions,
+    rotate_qk,
+    validate_patches,
+)
+from omnistage.models.qwen3_omni.audio_encoder import activation
 
 VISION_CHECKPOINT_PREFIX = "thinker.visual."
 
@@ -49,8 +56,7 @@ class Qwen3OmniVisionAttention(nn.Module):
                 plan: SegmentPlan) -> torch.Tensor:
         # x: [N, dim]; cos, sin: [N, 1, head_dim] fp32
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = rotate_qk(q, k, cos, sin)
         return self.proj(segment_attention(q, k, v, plan).flatten(1))
 
 
@@ -130,18 +136,13 @@ class Qwen3OmniVisionEncoder(nn.Module):
             raise ValueError(f"vision_config.num_position_embeddings {num_positions} is not a "
                              "square")
         num_heads = config["num_heads"]
-        head_dim = dim // num_heads
-        if dim % num_heads or head_dim % 4:
-            raise ValueError("vision_config.hidden_size / num_heads must be a multiple of 4")
         rope = config.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision_config.rope_parameters.rope_type {rope['rope_type']!r} is "
                              "not supported (axial)")
-        half = head_dim // 2  # half the channels rotate with the row, half with the column
-        self.register_buffer(
-            "inv_freq",
-            1.0 / rope.get("rope_theta", 10000.0) ** (torch.arange(0, half, 2).float() / half),
-            persistent=False)
+        self.register_buffer("inv_freq",
+                             axial_inv_freq(dim, num_heads, rope.get("rope_theta", 10000.0)),
+                             persistent=False)
         act = activation(config.get("hidden_act", "gelu_pytorch_tanh"), "vision_config.hidden_act")
         out_dim = config["out_hidden_size"]
 
@@ -159,25 +160,8 @@ class Qwen3OmniVisionEncoder(nn.Module):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads checkpoint tensors named as `thinker.visual.*` or without that prefix."""
-        load_named_tensors(self, named_tensors, VISION_CHECKPOINT_PREFIX)
-
-    def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[list[int]]:
-        patch_dim = self.in_channels * self.temporal_patch * self.patch_size**2
-        if pixel_values.dim() != 2 or pixel_values.shape[1] != patch_dim:
-            raise ValueError(f"pixel_values must be [num_patches, {patch_dim}], "
-                             f"got {tuple(pixel_values.shape)}")
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
-            raise ValueError(f"grid_thw must be [n_images, 3], got {tuple(grid_thw.shape)}")
-        grid = grid_thw.tolist()
-        for i, (t, h, w) in enumerate(grid):
-            if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-                raise ValueError(f"grid_thw[{i}] = {[t, h, w]}: sizes must be positive and h, w "
-                                 f"multiples of spatial_merge_size {self.merge}")
-        total = sum(t * h * w for t, h, w in grid)
-        if total != pixel_values.shape[0]:
-            raise ValueError(f"grid_thw covers {total} patches, pixel_values has "
-                             f"{pixel_values.shape[0]}")
-        return grid
+        load_parameters(self, named_tensors,
+                        rename=lambda name: name.removeprefix(VISION_CHECKPOINT_PREFIX))
 
     def _learned_positions(self, h: int, w: int) -> torch.Tensor:
         """The square table resampled bilinearly (corners aligned) to an h x w grid, in fp32:
@@ -192,21 +176,20 @@ class Qwen3OmniVisionEncoder(nn.Module):
         # pixel_values: [sum t*h*w, C*tp*p*p] in the processor's order (merge units row-major,
         # the merge x merge patches of a unit adjacent); grid_thw: [n, 3]
         # -> embeds [sum t*h*w / merge^2, out], deepstack: list of the same shape
-        grid = self._validate(pixel_values, grid_thw)
+        patch_dim = self.in_channels * self.temporal_patch * self.patch_size**2
+        grid = validate_patches(pixel_values, grid_thw, patch_dim, self.merge)
         device = pixel_values.device
         positions, learned, frame_lens = [], [], []
         resampled: dict[tuple[int, int], torch.Tensor] = {}
         for t, h, w in grid:
-            pos = _patch_positions(t, h, w, self.merge)  # [t*h*w, 2] (row, col)
+            pos = patch_positions(t, h, w, self.merge)  # [t*h*w, 2] (row, col)
             if (h, w) not in resampled:
                 resampled[(h, w)] = self._learned_positions(h, w)
             learned.append(resampled[(h, w)][(pos[:, 0] * w + pos[:, 1]).to(device)])
             positions.append(pos)
             frame_lens += [h * w] * t
         pos = torch.cat(positions).to(device)
-        angles = (pos[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim/2]: rows|cols
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = axial_cos_sin(pos, self.inv_freq)
         plan = build_segment_plan(frame_lens, device)  # attention stays within a frame
 
         x = self.patch_embed(pixel_values)

@@ -18,8 +18,12 @@ from omnistage.models.qwen2_5_omni.processor import (
 )
 from omnistage.testing.tiny_omni import (
     TINY_OMNI_IDS,
+    audio_part,
     build_tiny_omni_processor,
+    image_part,
+    text_part,
     tiny_omni_test_messages,
+    user_turn,
 )
 
 SR = 16000
@@ -29,22 +33,6 @@ NOISE = CASES["multi_turn"][1]["content"][1]["audio"]
 IMG_A = CASES["image_text"][0]["content"][0]["image"]
 IMG_B = CASES["multi_turn"][3]["content"][0]["image"]
 RNG = np.random.default_rng(1)
-
-
-def _user(*parts: dict) -> dict:
-    return {"role": "user", "content": list(parts)}
-
-
-def _audio(x: object) -> dict:
-    return {"type": "audio", "audio": x}
-
-
-def _image(x: object) -> dict:
-    return {"type": "image", "image": x}
-
-
-def _text(t: str) -> dict:
-    return {"type": "text", "text": t}
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +141,12 @@ def test_media_sources_agree(ours, tmp_path: Path) -> None:
     path.write_bytes(png.getvalue())
     base = ours.process(CASES["audio_image_text"])
     for audio, image in ((wav.getvalue(), png.getvalue()), ((TONE, SR), str(path))):
-        parts = (_audio(audio), _image(image), _text("What do you hear and see?"))
-        got = ours.process([_user(*parts)])
+        parts = (audio_part(audio), image_part(image), text_part("What do you hear and see?"))
+        got = ours.process([user_turn(*parts)])
         assert got.input_ids == base.input_ids
         assert [m.content_hash for m in got.media] == [m.content_hash for m in base.media]
         assert torch.equal(got.audio_features[0], base.audio_features[0])
-    other = ours.process([_user(_audio(NOISE), _image(IMG_B), _text("x"))])
+    other = ours.process([user_turn(audio_part(NOISE), image_part(IMG_B), text_part("x"))])
     assert {m.content_hash for m in other.media}.isdisjoint({m.content_hash for m in base.media})
 
 
@@ -192,26 +180,27 @@ def _corrupt_png() -> bytes:
 
 
 @pytest.mark.parametrize("parts, pattern", [
-    ([_audio(b"RIFF\x00\x00\x00\x00WAVEfmt garbage")],
+    ([audio_part(b"RIFF\x00\x00\x00\x00WAVEfmt garbage")],
      r"messages\[0\]\.content\[0\]\.audio: cannot decode audio"),
-    ([_text("see:"), _image(_corrupt_png())],
+    ([text_part("see:"), image_part(_corrupt_png())],
      r"messages\[0\]\.content\[1\]\.image: cannot decode image"),
-    ([_image(b"this is not an image at all")],
+    ([image_part(b"this is not an image at all")],
      r"messages\[0\]\.content\[0\]\.image: cannot decode image"),
-    ([_audio(np.zeros(301 * SR, np.float32))],
+    ([audio_part(np.zeros(301 * SR, np.float32))],
      r"messages\[0\]\.content\[0\]\.audio: audio is 301\.0 s long, more than the limit of 300 s"),
-    ([_audio(np.zeros(100, np.float32))], r"content\[0\]\.audio: audio is too short"),
-    ([_audio(np.array([0.0, np.nan] * 1000, np.float32))], r"content\[0\]\.audio: .*NaN"),
-    ([_image(Image.new("RGB", (5000, 4000)))],
+    ([audio_part(np.zeros(100, np.float32))], r"content\[0\]\.audio: audio is too short"),
+    ([audio_part(np.array([0.0, np.nan] * 1000, np.float32))], r"content\[0\]\.audio: .*NaN"),
+    ([image_part(Image.new("RGB", (5000, 4000)))],
      r"messages\[0\]\.content\[0\]\.image: image is 5000x4000"),
     ([{"type": "video", "video": "x.mp4"}],
      r"messages\[0\]\.content\[0\]\.video: video file not found: x\.mp4"),
-    ([_text("inject <|AUDIO|> here")], r"messages\[0\]\.content\[0\]\.text: contains the reserved"),
+    ([text_part("inject <|AUDIO|> here")],
+     r"messages\[0\]\.content\[0\]\.text: contains the reserved"),
     ([{"type": "sound", "sound": 1}], r"messages\[0\]\.content\[0\]\.type: unknown part type"),
 ])
 def test_bad_input_names_the_part(ours, parts: list[dict], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
-        ours.process([_user(*parts)])
+        ours.process([user_turn(*parts)])
 
 
 def test_limits(tiny_omni_dir: Path, ours) -> None:
@@ -222,7 +211,7 @@ def test_limits(tiny_omni_dir: Path, ours) -> None:
     with pytest.raises(ValueError, match=r"content\[0\]\.image: image is 84x56 = 4704 pixels"):
         small.process(CASES["image_text"])
     with pytest.raises(ValueError, match=r"content\[0\]\.audio: local file paths are not allowed"):
-        small.process([_user(_audio("/etc/passwd"))])
+        small.process([user_turn(audio_part("/etc/passwd"))])
     n = len(ours.process(CASES["audio_text"]).input_ids)
     with pytest.raises(ValueError, match=rf"messages: prompt is {n} tokens"):
         ours.process(CASES["audio_text"], max_prompt_tokens=n - 1)
@@ -258,7 +247,7 @@ def test_resample_removes_aliases() -> None:
 def test_rgba_image_matches_transformers(ours, ref) -> None:
     rgba = Image.fromarray(RNG.integers(0, 255, (56, 56, 4), dtype=np.uint8), mode="RGBA")
     assert load_image(rgba, "image").image.mode == "RGB"
-    msgs = [_user(_image(rgba), _text("x"))]
+    msgs = [user_turn(image_part(rgba), text_part("x"))]
     want = reference(ref, msgs)
     got = ours.process(msgs)
     assert torch.equal(got.image_pixel_values, want["pixel_values"])

@@ -30,6 +30,13 @@ from omnistage.models.qwen3_omni.rope_index import (
     mrope_positions,
     talker_positions,
 )
+from omnistage.testing.tiny_omni import (
+    audio_part,
+    image_part,
+    text_part,
+    user_turn,
+    video_part,
+)
 from omnistage.testing.tiny_qwen3_omni import (
     TINY_QWEN3_OMNI_EOS,
     TINY_QWEN3_OMNI_IDS,
@@ -61,36 +68,17 @@ def _frames(n: int, seed: int, h: int = 40, w: int = 56) -> np.ndarray:
 FRAMES = _frames(4, seed=2)
 
 
-def _user(*parts: dict) -> dict:
-    return {"role": "user", "content": list(parts)}
-
-
-def _audio(x: object) -> dict:
-    return {"type": "audio", "audio": x}
-
-
-def _image(x: object) -> dict:
-    return {"type": "image", "image": x}
-
-
-def _video(x: object, **kw: object) -> dict:
-    return {"type": "video", "video": x, **kw}
-
-
-def _text(t: str) -> dict:
-    return {"type": "text", "text": t}
-
-
 CASES = {
     "text_only": [{"role": "user", "content": "Beautiful is better than ugly. Say something."}],
-    "audio_text": [_user(_audio(TONE), _text("What do you hear?"))],
-    "odd_audio_text": [_user(_audio(NOISE), _text("And now?"))],
-    "image_text": [_user(_image(IMG_A), _text("What is this?"))],
+    "audio_text": [user_turn(audio_part(TONE), text_part("What do you hear?"))],
+    "odd_audio_text": [user_turn(audio_part(NOISE), text_part("And now?"))],
+    "image_text": [user_turn(image_part(IMG_A), text_part("What is this?"))],
     "audio_image_text": [{"role": "system", "content": "Be brief."},
-                         _user(_audio(TONE), _image(IMG_A), _text("What do you hear and see?"))],
-    "two_images_two_turns": [_user(_image(IMG_A), _text("And this?")),
+                         user_turn(audio_part(TONE), image_part(IMG_A),
+                                   text_part("What do you hear and see?"))],
+    "two_images_two_turns": [user_turn(image_part(IMG_A), text_part("And this?")),
                              {"role": "assistant", "content": "A picture."},
-                             _user(_image(IMG_B), _text("Compare them."))],
+                             user_turn(image_part(IMG_B), text_part("Compare them."))],
 }
 
 
@@ -276,13 +264,14 @@ def test_two_audios_match_transformers(ours, ref, hf) -> None:
     # alone. Whole frames (no partial one) keep the counts equal; then only the shorter one's
     # last frame differs (zeros vs reflection past its end).
     short = NOISE[:12320]
-    msgs = [_user(_text("Listen:"), _audio(short), _audio(TONE), _text("Which is longer?"))]
+    msgs = [user_turn(text_part("Listen:"), audio_part(short), audio_part(TONE),
+                      text_part("Which is longer?"))]
     assert_matches(ours.process(msgs), reference(ref, msgs), hf, shorter_audios=(0,))
 
 
 @pytest.mark.parametrize("fps", [2.0, 1.0])
 def test_video_frames_match_transformers(fps: float, ours, ref, hf) -> None:
-    msgs = [_user(_video(FRAMES, fps=fps), _image(IMG_A), _text("What happens?"))]
+    msgs = [user_turn(video_part(FRAMES, fps=fps), image_part(IMG_A), text_part("What happens?"))]
     got = ours.process(msgs)
     assert got.video_grid_thw.tolist()[0][0] == 2
     assert_matches(got, reference(ref, msgs, fps=fps), hf)
@@ -321,7 +310,7 @@ def clip(ours) -> dict:
 
 
 def test_video_file_without_its_audio(clip, ours, ref, hf) -> None:
-    msgs = [_user(_video(clip["bytes"]), _text("What happens?"))]
+    msgs = [user_turn(video_part(clip["bytes"]), text_part("What happens?"))]
     got = ours.process(msgs)
     assert got.audio_features == [] and got.video_grid_thw.tolist()[0][0] == 3
     assert_matches(got, reference(ref, msgs, videos=[clip["frames"]], fps=clip["fps"]), hf)
@@ -330,12 +319,12 @@ def test_video_file_without_its_audio(clip, ours, ref, hf) -> None:
 @pytest.mark.parametrize("with_audio_first", [False, True])
 def test_video_with_its_audio_matches_transformers(with_audio_first: bool, clip, ours, ref,
                                                    hf) -> None:
-    parts = [_image(IMG_B), _video(clip["bytes"]), _text("What happens?")]
+    parts = [image_part(IMG_B), video_part(clip["bytes"]), text_part("What happens?")]
     audio, slots = [clip["track"]], [0]
     if with_audio_first:
-        parts.insert(0, _audio(TONE))
+        parts.insert(0, audio_part(TONE))
         audio, slots = [TONE, clip["track"]], [None, 0]
-    msgs = [_user(*parts)]
+    msgs = [user_turn(*parts)]
     got = ours.process(msgs, use_audio_in_video=True)
     want = reference(ref, msgs, videos=[clip["frames"]], fps=clip["fps"], audio=audio,
                      load_audio_from_video=True, audio_from_video_indices=slots)
@@ -359,7 +348,7 @@ def test_video_with_a_short_audio_track_ends_after_its_last_run(ours, ref, hf) -
     track = (0.3 * np.sin(2 * np.pi * 330 * np.arange(int(1.3 * SR)) / SR)).astype(np.float32)
     data = _mux(_frames(8, seed=3, h=480, w=640), track)
     decoded = load_video(data, "clip", ours.video_config, with_audio=True)
-    msgs = [_user(_video(data), _text("x"))]
+    msgs = [user_turn(video_part(data), text_part("x"))]
     got = ours.process(msgs, use_audio_in_video=True)
     want = reference(ref, msgs, videos=[decoded.frames], fps=decoded.fps, audio=[decoded.audio],
                      load_audio_from_video=True, audio_from_video_indices=[0])
@@ -376,8 +365,8 @@ def test_talker_positions_match_transformers(clip, ours, hf, tiny_qwen3_omni_dir
     talker_cfg = {**cfg["talker_config"], "audio_config": cfg["thinker_config"]["audio_config"]}
     tts_pad = cfg["tts_pad_token_id"]
     cases = [(CASES["audio_image_text"], False), (CASES["two_images_two_turns"], False),
-             ([_user(_video(FRAMES), _text("x"))], False),
-             ([_user(_audio(TONE), _video(clip["bytes"]), _text("x"))], True)]
+             ([user_turn(video_part(FRAMES), text_part("x"))], False),
+             ([user_turn(audio_part(TONE), video_part(clip["bytes"]), text_part("x"))], True)]
     for messages, use_audio_in_video in cases:
         got = ours.process(messages, use_audio_in_video=use_audio_in_video)
         role, users = None, []  # user-turn tokens, as transformers' generate selects them
@@ -421,7 +410,7 @@ def test_positions_reject_mismatched_runs(ours) -> None:
 
 def test_fractional_video_times_are_truncated(ours, ref, hf) -> None:
     # 3 fps: seconds per grid step 2/3, x 13 = 8.67 positions; transformers keeps floats
-    msgs = [_user(_video(FRAMES, fps=3.0), _text("x"))]
+    msgs = [user_turn(video_part(FRAMES, fps=3.0), text_part("x"))]
     got = ours.process(msgs)
     pos, _ = hf_positions(hf, reference(ref, msgs, fps=3.0))
     video = got.input_ids.index(VIDEO_PAD)
@@ -446,11 +435,11 @@ def test_process_prompt_and_system_prompt(ours) -> None:
 
 
 @pytest.mark.parametrize("parts, pattern", [
-    ([_text("inject <|audio_pad|> here")], r"content\[0\]\.text: contains the reserved"),
-    ([_audio(np.zeros(300, np.float32))], r"content\[0\]\.audio: audio is too short"),
-    ([_image(Image.new("RGB", (5000, 4000)))], r"content\[0\]\.image: image is 5000x4000"),
-    ([_video(np.zeros((2, 28, 28), np.uint8))], r"content\[0\]\.video: video frame array"),
+    ([text_part("inject <|audio_pad|> here")], r"content\[0\]\.text: contains the reserved"),
+    ([audio_part(np.zeros(300, np.float32))], r"content\[0\]\.audio: audio is too short"),
+    ([image_part(Image.new("RGB", (5000, 4000)))], r"content\[0\]\.image: image is 5000x4000"),
+    ([video_part(np.zeros((2, 28, 28), np.uint8))], r"content\[0\]\.video: video frame array"),
 ])
 def test_bad_input_names_the_part(ours, parts: list[dict], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
-        ours.process([_user(*parts)])
+        ours.process([user_turn(*parts)])
