@@ -298,8 +298,14 @@ async def run_round(llm: AsyncOmniLLM, c: int, params: dict, seed: int,
     ids = prompts(c, PROMPT_LEN, seed)
     before = stage_counters(llm)
     t0 = time.perf_counter()
-    rows = await asyncio.wait_for(asyncio.gather(*[request(llm, p, params) for p in ids]),
-                                  timeout_s)
+    try:
+        rows = await asyncio.wait_for(asyncio.gather(*[request(llm, p, params) for p in ids]),
+                                      timeout_s)
+    except TimeoutError:  # say where it stood: each stage's queue, running, steps
+        print(f"c{c}: round timed out after {timeout_s} s; stages: "
+              f"{json.dumps(llm.runtime.stats(), default=str)}; GPU memory "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+        raise
     wall = time.perf_counter() - t0
     await asyncio.sleep(0.1)  # the stages' busy time of their last steps
     audio = sum(r["audio_s"] for r in rows)
@@ -391,6 +397,13 @@ async def bench_ours(args, res: dict, save, dev: torch.device, ckpt: Path, cfg: 
         res["thinker_decode_bs1"] = await thinker_decode_bs1(llm, args.text_tokens)
         save("thinker_decode_bs1")
         params = stage_params(llm, args.text_tokens, args.frames)
+        if args.profile and dev.type == "cuda":  # where a c1 request's GPU time goes
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                await run_round(llm, 1, params, 4242, args.round_timeout_s)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            print(table, flush=True)
+            res["profile_c1"] = table.splitlines()
         res["runs"] = {}
         for c in conc:
             if time.perf_counter() - args.t_start > args.deadline_s:
@@ -499,6 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reference", choices=["transformers"], default=None,
                     help="run transformers on the same weights instead of omnistage")
     ap.add_argument("--ref-batches", default="1", help="transformers batch sizes (with 1)")
+    ap.add_argument("--profile", action="store_true",
+                    help="a c1 request under torch.profiler: its top CUDA kernels")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for name in INT_OPTIONS:

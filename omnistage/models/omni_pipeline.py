@@ -49,13 +49,14 @@ def kv_fraction(ctx: StageContext, fraction: float) -> dict[str, Any]:
     return opts
 
 
-def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any) -> ARStageWorker:
+def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any,
+                   kv_share: float = 0.45) -> ARStageWorker:
     """The thinker stage's worker: an AR engine on `model` (built and loaded), sized by the
     thinker's text config, its graphs warmed with the checkpoint's generation defaults."""
     gen_cfg = load_generation_config(ctx.path)
     text_cfg = ctx.config["thinker_config"]["text_config"]
     cfg = stage_engine_config(text_cfg.get("max_position_embeddings", 32768),
-                              kv_fraction(ctx, 0.45), ctx.stage.engine)
+                              kv_fraction(ctx, kv_share), ctx.stage.engine)
     engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
                       eos_token_ids(gen_cfg, ctx.config, None))
     engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
@@ -64,11 +65,12 @@ def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any) ->
 
 
 def talker_worker(ctx: StageContext, model: torch.nn.Module, max_position_embeddings: int,
-                  params: SamplingParams, row_width: int) -> ARStageWorker:
+                  params: SamplingParams, row_width: int, kv_share: float = 0.5) -> ARStageWorker:
     """The talker stage's worker: an AR engine on `model` (built and loaded), its graphs
     warmed with `params` (the stage's YAML defaults applied over them); decode steps add the
     thinker's rows, `row_width` wide."""
-    cfg = stage_engine_config(max_position_embeddings, kv_fraction(ctx, 0.5), ctx.stage.engine)
+    cfg = stage_engine_config(max_position_embeddings, kv_fraction(ctx, kv_share),
+                              ctx.stage.engine)
     engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
     engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(params)], row_width)
     return ARStageWorker(ctx.name, engine, priority=-1)

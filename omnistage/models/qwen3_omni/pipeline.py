@@ -33,6 +33,10 @@ from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams
 
 DEFAULT_VOICE = "Ethan"  # transformers' generate default speaker
+# KV shares of the free GPU memory (when not sized by the user): the thinker's first, then the
+# talker's of what is left. Smaller than Qwen2.5's: the 30B MoE weights leave less room, and
+# code2wav's activations at batch 32 need the rest (Qwen2.5's shares stalled 64 requests)
+THINKER_KV_SHARE, TALKER_KV_SHARE = 0.25, 0.2
 
 
 def has_talker(config: dict) -> bool:
@@ -58,7 +62,7 @@ def build_thinker(ctx: StageContext) -> ARStageWorker:
     quantize_experts(model, ctx.options.get("quantization"))
     if has_talker(ctx.config):  # the talker reads this layer's rows at media placeholders
         model.export_layer = ctx.config["talker_config"]["accept_hidden_layer"]
-    return thinker_worker(ctx, model, tokenizer)
+    return thinker_worker(ctx, model, tokenizer, kv_share=THINKER_KV_SHARE)
 
 
 @register_stage("Qwen3OmniMoeTalker", "ar")
@@ -70,7 +74,8 @@ def build_talker(ctx: StageContext) -> ARStageWorker:
     # the thinker's text rows are of the talker's width
     return talker_worker(ctx, model,
                          model_cfg["text_config"].get("max_position_embeddings", 32768),
-                         talker_default_params(model_cfg), model.config.hidden_size)
+                         talker_default_params(model_cfg), model.config.hidden_size,
+                         kv_share=TALKER_KV_SHARE)
 
 
 @register_pipeline("qwen3_omni")
