@@ -327,6 +327,26 @@ class SamplerState:
             t.banned_mask = ((bits & SUPPRESS) != 0) | (((bits & STOP) != 0) & early)
         return t
 
+    def sample_params(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """Rows sampled outside the slot bookkeeping, by t's per-row temperature, top-k, top-p,
+        seed and step (no penalties, bans or min-p; e.g. Qwen3-Omni's code predictor): the
+        first slots take those params on the device (capturable, no host sync), then
+        sample_rows draws them (the Triton kernels on CUDA). logits [N, V] fp32 -> ids [N]."""
+        flags = SamplingFlags(t.all_greedy, t.any_top_k, t.any_top_p, False, False, False)
+        out = []
+        for lo in range(0, logits.shape[0], self.num_slots):
+            hi = min(lo + self.num_slots, logits.shape[0])
+            n = hi - lo
+            self.fparams[:n, 0].copy_(t.temperature[lo:hi])
+            self.fparams[:n, 1].copy_(t.top_p[lo:hi])
+            self.fparams[:n, 2].zero_()
+            self.iparams[:n, 0].copy_(t.top_k[lo:hi])
+            self.iparams[:n, 1].copy_(t.seed[lo:hi])
+            slots = torch.arange(n, device=logits.device)
+            out.append(self.sample_rows(logits[lo:hi], slots, t.step[lo:hi], None, flags,
+                                        update=False))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     def sample_rows(self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
                     force: torch.Tensor | None, flags: SamplingFlags,
                     update: bool = True, fast: bool | None = None) -> torch.Tensor:

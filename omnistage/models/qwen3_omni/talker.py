@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.ar.interface import DecoderContract, ForwardBatch, merge_inputs
-from omnistage.engine.ar.sampler import SamplingTensors, sample
+from omnistage.engine.ar.sampler import SamplerState, SamplingTensors
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.layers.moe_decoder import MoEDecoderConfig, MoEDecoderModel, load_named_tensors
 from omnistage.models.registry import register_adapter, register_model
@@ -35,6 +35,7 @@ ALWAYS_READY = 1 << 40
 NUM_ASSISTANT_ROWS = 9
 # the code predictor's draws are keyed apart from codebook 0's (same request seed)
 _RESIDUAL_SEED_SALT = 0x5BD1E995
+SAMPLER_SLOTS = 256  # rows per inner draw call (larger batches draw in several calls)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class CodePredictor(nn.Module):
             nn.Embedding(c.vocab_size, c.hidden_size) for _ in range(self.num_residuals))
         self.lm_head = nn.ModuleList(nn.Linear(c.hidden_size, c.vocab_size, bias=False)
                                      for _ in range(self.num_residuals))
+        self.sampler: SamplerState | None = None
 
     def _layers(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor
                 ) -> torch.Tensor:
@@ -113,13 +115,20 @@ class CodePredictor(nn.Module):
             h = self._layers(x, pos, k_cache, v_cache)[:, -1]
             pos += x.shape[1]
             sampling.step = base_step + j
-            code = sample(self.lm_head[j](h).float(), sampling)
+            code = self._sampler(h.device).sample_params(self.lm_head[j](h).float(), sampling)
             codes.append(code)
             emb = self.model.codec_embedding[j](code)
             embed_sum = embed_sum + emb
             x = emb[:, None]
         sampling.step = base_step
         return torch.stack(codes, dim=1), embed_sum
+
+    def _sampler(self, device: torch.device) -> SamplerState:
+        """The inner draws' sampler (its rows hold each step's per-row params): the engine's
+        sampler, the Triton kernels on CUDA. Made at the first (uncaptured) call."""
+        if self.sampler is None or self.sampler.device != device:
+            self.sampler = SamplerState(SAMPLER_SLOTS, self.config.vocab_size, device)
+        return self.sampler
 
 
 @register_model("Qwen3OmniMoeTalker")
