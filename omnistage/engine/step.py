@@ -62,7 +62,10 @@ class LaunchedStep:
         if self.end is None:
             return self.wall_seconds
         if self.pending is not None:
-            self.pending.result()  # end is recorded once the thread has queued the work
+            # end is recorded once the thread has queued the work; a launch that failed on
+            # that thread recorded none (its error reached collect, which failed the stage)
+            if self.pending.exception() is not None:
+                return self.wall_seconds
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1e3
 

@@ -14,6 +14,7 @@ decoder is exact for any chunking, so the schedule sets latency and batching, ne
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,9 @@ class Qwen3OmniCode2WavRequest(GenRequest):
     decoded: int = 0  # frames decoded (queued to the device)
     codes_finished: bool = False
     stream: Qwen3OmniCode2WavStreamState | None = None  # the decoder's state (batch of 1)
+    # NOTE: add_input (the runtime's thread) and a step's take (the engine's launcher thread)
+    # both touch `pending`: one lock per request, made by new_state (a lock does not pickle)
+    lock: threading.Lock | None = field(default=None, repr=False, compare=False)
 
     def take(self, frames: int) -> torch.Tensor:
         """The next `frames` pending frames [frames, 16] (removed from pending)."""
@@ -129,6 +133,7 @@ class Qwen3OmniCode2WavModel:
             raise ValueError(f"request: a Qwen3OmniCode2WavRequest or None, got "
                              f"{type(request).__name__}")
         request.stream = self.model.new_stream_state(1)
+        request.lock = threading.Lock()
         return request
 
     def add_input(self, req: Qwen3OmniCode2WavRequest, codes: torch.Tensor,
@@ -142,10 +147,11 @@ class Qwen3OmniCode2WavModel:
                              f"{tuple(getattr(codes, 'shape', ())) or type(codes).__name__}")
         self.model.check_codes(codes.T[None])  # integer ids in the codebook (a CPU tensor)
         codes = codes.detach().to("cpu", torch.long)
-        if codes.shape[0]:
-            req.pending.append(codes)
-            req.received += codes.shape[0]
-        req.codes_finished = bool(finished)
+        with req.lock:
+            if codes.shape[0]:
+                req.pending.append(codes)
+                req.received += codes.shape[0]
+            req.codes_finished = bool(finished)
 
     def _next_frames(self, req: Qwen3OmniCode2WavRequest) -> int:
         """Frames of its next chunk once they are all here (its schedule, clipped at the end)."""
@@ -175,13 +181,16 @@ class Qwen3OmniCode2WavModel:
     def run(self, batch: list[Qwen3OmniCode2WavRequest]) -> _HostAudio:
         """Queue each row's next chunk, rows of one (frames, first) group in one call."""
         groups: dict[tuple[int, bool], list[int]] = {}
+        chunks: list[torch.Tensor] = []  # batch row -> its chunk's codes [frames, 16]
         for i, req in enumerate(batch):
-            groups.setdefault((self._next_frames(req), req.stream.started), []).append(i)
+            with req.lock:  # the chunk's size and codes from one view of its input
+                chunks.append(req.take(self._next_frames(req)))
+            groups.setdefault((chunks[-1].shape[0], req.stream.started), []).append(i)
         wavs: dict[int, torch.Tensor] = {}  # batch row -> its samples [m]
         with torch.inference_mode():
-            for (frames, _), rows in groups.items():
+            for _, rows in groups.items():
                 reqs = [batch[i] for i in rows]
-                codes = torch.stack([r.take(frames).T for r in reqs]).to(self.device)
+                codes = torch.stack([chunks[i].T for i in rows]).to(self.device)
                 state = Qwen3OmniCode2WavStreamState.stack([r.stream for r in reqs])
                 wav = self.model.decode_chunk(codes, state)  # [G, 1, samples]
                 for i, req, row_state, row_wav in zip(rows, reqs, state.split(), wav,

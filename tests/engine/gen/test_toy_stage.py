@@ -167,6 +167,26 @@ def test_step_in_parts_preempted_by_a_first_output(thread: bool) -> None:
                          ("part", [(1, 1)]), ("part", [(1, 1)])]
 
 
+def test_busy_seconds_of_a_launch_that_failed_on_its_thread() -> None:
+    """A launch that raised on the launcher thread recorded no end event: its busy time is the
+    host's, and asking for it does not raise again (collect reported the error; raising in the
+    runtime's loop would stop every stage)."""
+    from concurrent.futures import Future
+
+    from omnistage.engine.step import LaunchedStep
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("stack expects each tensor to be equal size"))
+    class NeverRecorded:  # the end event its thread never recorded
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            raise AssertionError("no end event to wait for")
+
+    step = LaunchedStep(state=None, end=NeverRecorded(), pending=failed, wall_seconds=0.25)
+    assert step.done() and step.busy_seconds() == 0.25
+
+
 def test_first_outputs_alone_only_when_no_one_waits_for_input() -> None:
     w = _worker(first_output_alone=True)
     w.submit("a", [1, 2])

@@ -217,6 +217,35 @@ def test_worker_batches_requests_of_different_lengths(models):
     assert events["b"][-1].audio is None  # its end came with no frames left to decode
 
 
+def test_input_from_another_thread_while_chunks_are_taken(models):
+    """The talker's frames arrive on the runtime's thread while the engine's launcher thread
+    takes chunks (a race lost frames on an H200 at 64 requests): nothing is lost or reordered."""
+    import threading
+
+    _, ours = models
+    frames = _codes(90, seed=7)[0].T
+    worker = code2wav_worker("code2wav", ours, CPU,
+                             GenEngineConfig(cuda_graphs="off", launch_thread=True),
+                             Qwen3OmniCode2WavOptions(first_chunk_frames=1, chunk_frames=2))
+    worker.submit("a", None)
+
+    def feed():
+        for k, piece in enumerate(frames.split(1)):
+            worker.add_input("a", piece, k == frames.shape[0] - 1)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    events = []
+    while feeder.is_alive() or worker.has_work():
+        events += worker.step()
+    feeder.join()
+    assert all(e.error is None for e in events) and events[-1].finished
+    audio = np.concatenate([e.audio for e in events if e.audio is not None])
+    with torch.no_grad():
+        solo = ours(frames.T[None])[0, 0].numpy()
+    assert audio.shape == solo.shape and np.abs(audio - solo).max() <= 1e-4
+
+
 def test_add_input_validation(models):
     _, ours = models
     worker = code2wav_worker("code2wav", ours, CPU, GenEngineConfig(cuda_graphs="off"))
