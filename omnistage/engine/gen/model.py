@@ -30,7 +30,8 @@ The clients this interface is shaped for:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -40,6 +41,13 @@ class GenRequest:
 
     outputs: int = 0  # outputs emitted so far (0: its first output is next)
     in_job: bool = False  # its next output is in the step run in parts (the worker's job)
+    # set by the worker at submit: add_input runs holding it, and a step that takes this
+    # request's input (on the launcher thread, while more input may arrive) holds it too
+    input_lock: Any = field(default=None, repr=False, compare=False)
+
+    def inputs_held(self) -> Any:
+        """A context holding input_lock (a no-op outside a worker)."""
+        return self.input_lock if self.input_lock is not None else nullcontext()
 
 
 class GenModel(Protocol):

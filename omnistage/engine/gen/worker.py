@@ -9,6 +9,7 @@ the stages' GPU work."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -68,13 +69,18 @@ class GenStageWorker:
 
     # ---------------------------------------------------------------- requests
     def submit(self, request_id: str, request: Any) -> None:
-        self.requests[request_id] = self.model.new_state(request)
+        state = self.model.new_state(request)
+        state.input_lock = threading.Lock()  # (a lock does not pickle: made here, not upstream)
+        self.requests[request_id] = state
 
     def add_input(self, request_id: str, data: Any, finished: bool) -> None:
-        """Input from the upstream stage for a request (dropped once it is gone)."""
+        """Input from the upstream stage for a request (dropped once it is gone). NOTE: with
+        the launcher thread a step may be taking this request's input meanwhile: the model
+        reads it holding state.inputs_held()."""
         state = self.requests.get(request_id)
         if state is not None:
-            self.model.add_input(state, data, finished)
+            with state.inputs_held():
+                self.model.add_input(state, data, finished)
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)  # (a job computes its output still; collect drops it)

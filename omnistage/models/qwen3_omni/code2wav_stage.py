@@ -14,7 +14,6 @@ decoder is exact for any chunking, so the schedule sets latency and batching, ne
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +92,6 @@ class Qwen3OmniCode2WavRequest(GenRequest):
     decoded: int = 0  # frames decoded (queued to the device)
     codes_finished: bool = False
     stream: Qwen3OmniCode2WavStreamState | None = None  # the decoder's state (batch of 1)
-    # NOTE: add_input (the runtime's thread) and a step's take (the engine's launcher thread)
-    # both touch `pending`: one lock per request, made by new_state (a lock does not pickle)
-    lock: threading.Lock | None = field(default=None, repr=False, compare=False)
 
     def take(self, frames: int) -> torch.Tensor:
         """The next `frames` pending frames [frames, 16] (removed from pending)."""
@@ -133,7 +129,6 @@ class Qwen3OmniCode2WavModel:
             raise ValueError(f"request: a Qwen3OmniCode2WavRequest or None, got "
                              f"{type(request).__name__}")
         request.stream = self.model.new_stream_state(1)
-        request.lock = threading.Lock()
         return request
 
     def add_input(self, req: Qwen3OmniCode2WavRequest, codes: torch.Tensor,
@@ -147,11 +142,10 @@ class Qwen3OmniCode2WavModel:
                              f"{tuple(getattr(codes, 'shape', ())) or type(codes).__name__}")
         self.model.check_codes(codes.T[None])  # integer ids in the codebook (a CPU tensor)
         codes = codes.detach().to("cpu", torch.long)
-        with req.lock:
-            if codes.shape[0]:
-                req.pending.append(codes)
-                req.received += codes.shape[0]
-            req.codes_finished = bool(finished)
+        if codes.shape[0]:  # (the worker holds req.inputs_held() here)
+            req.pending.append(codes)
+            req.received += codes.shape[0]
+        req.codes_finished = bool(finished)
 
     def _next_frames(self, req: Qwen3OmniCode2WavRequest) -> int:
         """Frames of its next chunk once they are all here (its schedule, clipped at the end)."""
@@ -183,7 +177,9 @@ class Qwen3OmniCode2WavModel:
         groups: dict[tuple[int, bool], list[int]] = {}
         chunks: list[torch.Tensor] = []  # batch row -> its chunk's codes [frames, 16]
         for i, req in enumerate(batch):
-            with req.lock:  # the chunk's size and codes from one view of its input
+            # NOTE: on the engine's launcher thread while add_input may run: the chunk's
+            # size and codes are taken from one view of the input
+            with req.inputs_held():
                 chunks.append(req.take(self._next_frames(req)))
             groups.setdefault((chunks[-1].shape[0], req.stream.started), []).append(i)
         wavs: dict[int, torch.Tensor] = {}  # batch row -> its samples [m]
