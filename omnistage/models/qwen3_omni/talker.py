@@ -315,7 +315,9 @@ class Qwen3OmniThinkerToTalker:
             exported = model.exported_rows(hidden[:n]).to(emb.dtype)
             mm = self.media_mask[start:start + n].to(device)
             prompt = (start, torch.where(mm[:, None], exported, emb))
-        if ev.token_ids:
+        if len(ev.token_ids) == 1:  # a decode step: a view of the table's row (no copy, no kernel)
+            reply = model.embed_row(ev.token_ids[0]).unsqueeze(0)
+        elif ev.token_ids:
             reply = model.embed(torch.tensor(ev.token_ids, device=device))
         if not self.sent_specials and (prompt is not None or reply is not None):
             specials = model.embed(torch.tensor(self.special_ids, device=device))
