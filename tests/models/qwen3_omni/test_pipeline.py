@@ -292,3 +292,18 @@ def test_graph_decode_path_equals_transformers(hf, tiny_qwen3_omni_dir):
     assert all(graphs.residual_ran)  # the head drew codebooks 1.. (no eager fallback)
     for case, out in zip(cases, outs):
         check_equal(out, hf.generate(processed(llm, messages(case))), f"graphs/{case}")
+
+
+def test_stage_processes_equal_in_process(tiny_qwen3_omni_dir, llm):
+    """Every stage in a process of its own (rows, frames and the adapters cross processes):
+    the same tokens, codes and audio as in-process."""
+    prompt = {"messages": messages("audio_text"), "voice": "Aiden"}
+    alone = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    procs = OmniLLM(str(tiny_qwen3_omni_dir), device="cpu", stage_worker="process")
+    try:
+        out = procs.generate(prompt, greedy(), use_tqdm=False)[0]
+    finally:
+        procs.shutdown()
+    assert out.error is None and out.token_ids == alone.token_ids
+    assert np.array_equal(out.stages["talker"].codes, alone.stages["talker"].codes)
+    assert out.audio.shape == alone.audio.shape and np.abs(out.audio - alone.audio).max() == 0
