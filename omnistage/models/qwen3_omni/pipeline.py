@@ -35,7 +35,8 @@ from omnistage.sampling_params import SamplingParams
 DEFAULT_VOICE = "Ethan"  # transformers' generate default speaker
 # KV shares of the free GPU memory (when not sized by the user): the thinker's first, then the
 # talker's of what is left. Smaller than Qwen2.5's: the 30B MoE weights leave less room, and
-# code2wav's activations at batch 32 need the rest (Qwen2.5's shares stalled 64 requests)
+# code2wav's activations at batch 32 and the graphs need the rest (KV at these shares
+# still holds far more than 64 requests of the benchmark's length)
 THINKER_KV_SHARE, TALKER_KV_SHARE = 0.25, 0.2
 
 
