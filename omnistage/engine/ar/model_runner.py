@@ -345,14 +345,22 @@ class ModelRunner:
         # hidden: [T, D] flat rows of the batch -> request_id -> (first position, rows [n, D]);
         # copy: one clone of the batch's rows, each request getting a view of it (one kernel
         # per step, not one per request)
-        if copy and any(seq.export_hidden for seq in batch.seqs):
+        exports = [_exports(seq, batch.ahead) for seq in batch.seqs]
+        if copy and any(exports):
             hidden = hidden[:sum(batch.num_tokens)].clone()
         out, off = {}, 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.export_hidden:
+        for seq, n, export in zip(batch.seqs, batch.num_tokens, exports):
+            if export:
                 out[seq.request_id] = (seq.num_computed_tokens + batch.ahead, hidden[off:off + n])
             off += n
         return out
+
+
+def _exports(seq: Sequence, ahead: int) -> bool:
+    """Whether this step's rows of seq are exported (a step past the prompt of a
+    prompt-only export is not: decode steps then copy no rows)."""
+    return seq.export_hidden and not (
+        seq.export_prompt_only and seq.num_computed_tokens + ahead >= seq.num_prompt_tokens)
 
 
 def _mrope_slice(seq: Sequence, start: int, end: int) -> torch.Tensor:

@@ -56,6 +56,7 @@ class Sequence:
     pending_media: Any = None  # model-specific encoder inputs, encoded when first scheduled
     forced_output_ids: list[int] | None = None  # emit exactly these instead of sampling
     export_hidden: bool = False
+    export_prompt_only: bool = False  # with export_hidden: only prompt positions' rows
     cacheable: bool = True  # False when the KV depends on inputs the hash cannot see
     penalize_prompt: bool = True  # repetition penalty over prompt ids too (transformers' rule)
     arrival: int = 0  # FCFS order

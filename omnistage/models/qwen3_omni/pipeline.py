@@ -153,7 +153,9 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
                 list(seq.prompt_token_ids), self.media_token_ids, self.token_ids, codec_ids)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
-        seq.export_hidden = True
+        # the talker reads the thinker's rows at prompt positions only (reply rows are token
+        # embeddings, which the adapter takes from the sampled ids)
+        seq.export_hidden = seq.export_prompt_only = True
         positions, delta = None, 0  # a prompt without media: sequential, as transformers does
         if processed is not None and processed.media:
             positions, delta = talker_positions(
