@@ -7,7 +7,7 @@ qwen2_5_omni_pipeline_gpu_h100_chunk24_preempt3_2026-11-23.json and its neighbou
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -76,3 +76,34 @@ class GenEngineConfig:
 
     def use_graphs(self, device: torch.device) -> bool:
         return self.cuda_graphs == "auto" and device.type == "cuda"
+
+
+# constructor keyword of a code2wav stage's engine option -> its GenEngineConfig field
+ENGINE_KEYWORDS = {"code2wav_max_batch": "max_batch", "code2wav_cuda_graphs": "cuda_graphs",
+                   "code2wav_compile": "compile", "code2wav_launch_thread": "launch_thread",
+                   "code2wav_first_alone": "first_output_alone",
+                   "code2wav_preempt": "preempt_parts", "code2wav_free_sms": "free_sms",
+                   "code2wav_warmup": "warmup"}
+
+
+def pop_stage_options(opts: dict[str, Any], model_cls: type, model_keywords: dict[str, str],
+                      absent: dict[str, Any] | None = None) -> tuple[GenEngineConfig, Any]:
+    """Take a gen stage's `code2wav_*` keyword options out of opts -> (GenEngineConfig, the
+    family's options, model_cls). A keyword absent or None takes the default, except the
+    model fields in `absent` (field -> value when absent), for which None is a value; a bad
+    value raises ValueError naming its keyword."""
+    absent = absent or {}
+    fields: list[dict[str, Any]] = [{}, {}]
+    for i, (cls, keywords) in enumerate(((GenEngineConfig, ENGINE_KEYWORDS),
+                                         (model_cls, model_keywords))):
+        for keyword, name in keywords.items():
+            keep_none = i == 1 and name in absent
+            value = opts.pop(keyword, absent.get(name) if keep_none else None)
+            if value is None and not keep_none:
+                continue
+            try:
+                cls(**{name: value})
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{keyword}: {exc}") from exc
+            fields[i][name] = value
+    return GenEngineConfig(**fields[0]), model_cls(**fields[1])

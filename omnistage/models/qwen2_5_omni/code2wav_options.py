@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from omnistage.engine.gen.config import GenEngineConfig
+from omnistage.engine.gen.config import GenEngineConfig, pop_stage_options
 from omnistage.runtime.build import DTYPES
 
 from .code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
@@ -70,12 +70,7 @@ class Qwen2_5OmniCode2WavOptions:
         return self.vocoder_dtype or ("float16" if device.type == "cuda" else "float32")
 
 
-# pipeline keyword option -> (GenEngineConfig field | Qwen2_5OmniCode2WavOptions field)
-ENGINE_KEYWORDS = {"code2wav_max_batch": "max_batch", "code2wav_cuda_graphs": "cuda_graphs",
-                   "code2wav_compile": "compile", "code2wav_launch_thread": "launch_thread",
-                   "code2wav_first_alone": "first_output_alone",
-                   "code2wav_preempt": "preempt_parts", "code2wav_free_sms": "free_sms",
-                   "code2wav_warmup": "warmup"}
+# pipeline keyword option -> Qwen2_5OmniCode2WavOptions field (the engine's: ENGINE_KEYWORDS)
 MODEL_KEYWORDS = {"code2wav_window": "window", "code2wav_dit_dtype": "dit_dtype",
                   "code2wav_vocoder_dtype": "vocoder_dtype",
                   "code2wav_dit_attention": "dit_attention",
@@ -85,18 +80,7 @@ MODEL_KEYWORDS = {"code2wav_window": "window", "code2wav_dit_dtype": "dit_dtype"
 def pop_code2wav_options(opts: dict[str, Any]
                          ) -> tuple[GenEngineConfig, Qwen2_5OmniCode2WavOptions]:
     """Take the `code2wav_*` keyword options out of opts (None or absent: the default);
-    a bad value raises ValueError naming its keyword."""
-    fields: list[dict[str, Any]] = [{}, {}]
-    for i, (cls, keywords) in enumerate(((GenEngineConfig, ENGINE_KEYWORDS),
-                                         (Qwen2_5OmniCode2WavOptions, MODEL_KEYWORDS))):
-        for keyword, name in keywords.items():
-            # (a window of None is a choice: one-shot decode)
-            value = opts.pop(keyword, "auto" if name == "window" else None)
-            if value is None and name != "window":
-                continue
-            try:
-                cls(**{name: value})
-            except ValueError as exc:
-                raise ValueError(f"{keyword}: {exc}") from exc
-            fields[i][name] = value
-    return GenEngineConfig(**fields[0]), Qwen2_5OmniCode2WavOptions(**fields[1])
+    a bad value raises ValueError naming its keyword. (A window of None is a choice: one-shot
+    decode.)"""
+    return pop_stage_options(opts, Qwen2_5OmniCode2WavOptions, MODEL_KEYWORDS,
+                             absent={"window": "auto"})

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from omnistage.engine.gen import GenEngineConfig, GenRequest, GenStageWorker
+from omnistage.engine.gen.config import pop_stage_options
 from omnistage.models.qwen3_omni.code2wav import (SAMPLE_RATE, Qwen3OmniCode2Wav,
                                                   Qwen3OmniCode2WavConfig,
                                                   Qwen3OmniCode2WavStreamState)
@@ -54,12 +55,7 @@ class Qwen3OmniCode2WavOptions:
         _check_frames("chunk_frames", self.chunk_frames)
 
 
-# pipeline keyword option -> GenEngineConfig field | Qwen3OmniCode2WavOptions field
-ENGINE_KEYWORDS = {"code2wav_max_batch": "max_batch", "code2wav_cuda_graphs": "cuda_graphs",
-                   "code2wav_compile": "compile", "code2wav_launch_thread": "launch_thread",
-                   "code2wav_first_alone": "first_output_alone",
-                   "code2wav_preempt": "preempt_parts", "code2wav_free_sms": "free_sms",
-                   "code2wav_warmup": "warmup"}
+# pipeline keyword option -> Qwen3OmniCode2WavOptions field (the engine's: ENGINE_KEYWORDS)
 MODEL_KEYWORDS = {"code2wav_first_chunk_frames": "first_chunk_frames",
                   "code2wav_chunk_frames": "chunk_frames"}
 
@@ -68,19 +64,7 @@ def pop_code2wav_options(opts: dict[str, Any]) -> tuple[GenEngineConfig, Qwen3Om
     """Take the `code2wav_*` keyword options out of opts (None or absent: the default); a bad
     value raises ValueError naming its keyword. The pipeline passes the pair to the stage
     builder as options["code2wav"]."""
-    fields: list[dict[str, Any]] = [{}, {}]
-    for i, (cls, keywords) in enumerate(((GenEngineConfig, ENGINE_KEYWORDS),
-                                         (Qwen3OmniCode2WavOptions, MODEL_KEYWORDS))):
-        for keyword, name in keywords.items():
-            value = opts.pop(keyword, None)
-            if value is None:
-                continue
-            try:
-                cls(**{name: value})
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{keyword}: {exc}") from exc
-            fields[i][name] = value
-    return GenEngineConfig(**fields[0]), Qwen3OmniCode2WavOptions(**fields[1])
+    return pop_stage_options(opts, Qwen3OmniCode2WavOptions, MODEL_KEYWORDS)
 
 
 @dataclass
