@@ -78,13 +78,12 @@ class CodePredictor(nn.Module):
                                      for _ in range(self.num_residuals))
         self.sampler: SamplerState | None = None
 
-    def _layers(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-                ) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [N, t, D] at positions pos..pos+t-1 -> normed hidden [N, t, D]; K/V written to
-        the caches [layers, N, max_len, Hkv, hd]."""
+        the caches [layers, N, max_len, Hkv, hd]; rope: cos/sin of the context's positions."""
         N, t, D = x.shape
-        positions = torch.arange(pos, pos + t, device=x.device)
-        cos, sin = self.model.rotary_emb(positions.repeat(N))
+        cos, sin = (r[pos:pos + t].repeat(N, 1) for r in rope)
         h = x.reshape(N * t, D)
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.qkv(h, cos, sin)
@@ -109,10 +108,12 @@ class CodePredictor(nn.Module):
         k_cache = hidden.new_empty(cache_shape)
         v_cache = hidden.new_empty(cache_shape)
         x = torch.stack([hidden, first_embed.to(hidden.dtype)], dim=1)
+        # the context's rotary table once per frame (positions 0..K-1), not once per inner step
+        rope = self.model.rotary_emb(torch.arange(K1 + 1, device=hidden.device))
         pos, base_step = 0, sampling.step
         codes, embed_sum = [], torch.zeros_like(hidden)
         for j in range(K1):
-            h = self._layers(x, pos, k_cache, v_cache)[:, -1]
+            h = self._layers(x, pos, k_cache, v_cache, rope)[:, -1]
             pos += x.shape[1]
             sampling.step = base_step + j
             code = self._sampler(h.device).sample_params(self.lm_head[j](h).float(), sampling)
