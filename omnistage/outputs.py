@@ -19,6 +19,7 @@ class StageOutput:
     # multi-codebook stages (Qwen3-Omni's talker): int64 [frames, codebooks], every codebook of
     # each frame; token_ids holds codebook 0
     codes: np.ndarray | None = None
+    images: list = field(default_factory=list)  # image stages: PIL.Image.Image per image
 
 
 @dataclass
@@ -44,3 +45,7 @@ class OmniRequestOutput:
     finished: bool = False
     error: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # image pipelines: the images (PIL.Image.Image, num_images of them) on the last output, and
+    # (denoising steps done, steps in all) as the request progresses
+    images: list = field(default_factory=list)
+    progress: tuple[int, int] | None = None

@@ -96,3 +96,55 @@ class SamplingParams:
             integer(f"stop_token_ids[{i}]", t)
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise bad(f"stop_token_ids[{i}]", f"token id {t} outside the vocabulary")
+
+
+@dataclass
+class DiffusionParams:
+    """The sampling parameters of an image pipeline (diffusers' names). None = the pipeline's
+    default (its model card's steps and guidance). `seed` draws the initial noise exactly as
+    diffusers does with `generator=torch.Generator("cpu").manual_seed(seed)`; the
+    `num_images` images of a prompt come from that one stream."""
+
+    height: int = 1024
+    width: int = 1024
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None  # distilled / Z-Image style CFG
+    true_cfg_scale: float | None = None  # Qwen-Image's CFG (with a negative prompt)
+    negative_prompt: str | None = None
+    num_images: int = 1
+    seed: int | None = None
+
+    def validate(self, where: str, *, multiple: int, max_pixels: int, max_side: int,
+                 max_steps: int, max_images: int) -> None:
+        """Raise ValueError naming the offending field (prefixed with `where`)."""
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{where}.{name}: {why}")
+
+        def integer(name: str, value: object, low: int, high: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, f"must be an integer, got {type(value).__name__}")
+            if not low <= value <= high:
+                raise bad(name, f"must be in [{low}, {high}], got {value}")
+
+        for name in ("height", "width"):
+            integer(name, getattr(self, name), multiple, max_side)
+            if getattr(self, name) % multiple:
+                raise bad(name, f"must be a multiple of {multiple}, got {getattr(self, name)}")
+        if self.height * self.width > max_pixels:
+            raise bad("height", f"{self.width}x{self.height} exceeds {max_pixels} pixels")
+        if self.num_inference_steps is not None:
+            integer("num_inference_steps", self.num_inference_steps, 1, max_steps)
+        for name in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or value != value or not 0 <= value <= 100:
+                raise bad(name, f"must be a number in [0, 100], got {value!r}")
+        if self.negative_prompt is not None and (
+                not isinstance(self.negative_prompt, str) or len(self.negative_prompt) > 1 << 16):
+            raise bad("negative_prompt", "must be a string of at most 65536 characters")
+        integer("num_images", self.num_images, 1, max_images)
+        if self.seed is not None:
+            integer("seed", self.seed, -(1 << 63), (1 << 64) - 1)

@@ -32,6 +32,11 @@ class StageEvent:
     error: str | None = None
     # multi-codebook AR stages: one row per new token, all its codebooks (token_ids = the first)
     codes: list[list[int]] = field(default_factory=list)
+    images: list[np.ndarray] | None = None  # image stages: uint8 [H, W, 3] per image, host
+    progress: tuple[int, int] | None = None  # iterative stages: (steps done, steps in all)
+    # data for the downstream stages' links only (latents, text embeddings); never reaches the
+    # orchestrator (StageHost drops it once the links have it, as it does `hidden`)
+    payload: Any = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from omnistage.outputs import OmniRequestOutput, StageOutput
 from omnistage.runtime.process import ProcessStage, StageProcessSpec, unpack_events
@@ -42,6 +43,7 @@ class RuntimeRequest:
     stage_requests: dict[str, Any]  # stage -> what that stage's submit() gets
     text_stage: str
     audio_stage: str | None = None
+    image_stage: str | None = None  # the stage whose events carry the images (uint8 HWC)
     sample_rate: int | None = None
     seed: int | None = None
     # stage -> stage handoffs of this request (the adapters), run beside the stages
@@ -58,6 +60,8 @@ class RuntimeRequest:
     stage_reasons: dict[str, str | None] = field(default_factory=dict)
     text: str = ""
     audio_chunks: list[np.ndarray] = field(default_factory=list)
+    images: list[np.ndarray] = field(default_factory=list)
+    progress: tuple[int, int] | None = None
     ttft: float | None = None
     ttfa: float | None = None
     thinker_tokens_at_audio: list[int] = field(default_factory=list)
@@ -397,13 +401,18 @@ class Orchestrator:
             req.thinker_tokens_at_audio.append(len(req.stage_tokens.get(req.text_stage, [])))
             if req.ttfa is None:
                 req.ttfa = now
+        if ev.stage == req.image_stage and ev.images:
+            req.images.extend(ev.images)
+        if ev.progress is not None:
+            req.progress = delta.progress = ev.progress
         if ev.finished:
             req.stage_reasons[ev.stage] = ev.finish_reason
         if ev.error:
             self._fail(req.request_id, ev.error)
             return
         last = ev.finished and all(stage in req.stage_reasons for stage in req.path)
-        if last or (req.stream and (delta.text_delta or delta.audio is not None)):
+        if last or (req.stream and (delta.text_delta or delta.audio is not None
+                                    or delta.progress is not None)):
             self._emit(req, delta, finished=last)
 
     def _emit(self, req: RuntimeRequest, out: OmniRequestOutput, finished: bool,
@@ -415,6 +424,7 @@ class Orchestrator:
         out.finished, out.error = finished, error
         m = out.metrics
         m.ttft, m.ttfa, m.seed = req.ttft, req.ttfa, req.seed
+        out.progress = out.progress or req.progress
         if finished:
             m.e2e = time.monotonic() - req.arrival
             m.num_cached_tokens = getattr(req.stage_requests.get(req.text_stage),
@@ -430,6 +440,9 @@ class Orchestrator:
                 audio = (np.concatenate(req.audio_chunks) if req.audio_chunks
                          else np.zeros(0, dtype=np.float32))
                 out.stages[req.audio_stage].audio = audio
+            if req.image_stage is not None:
+                out.images = [Image.fromarray(a) for a in req.images]
+                out.stages[req.image_stage].images = out.images
             if req.finalize is not None:
                 req.finalize(out)
             req.done = True

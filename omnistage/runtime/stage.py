@@ -234,7 +234,7 @@ class StageHost:
                 msg = link.adapter.send(ev, self.worker)
                 if msg is not None:
                     self.deliver(link.downstream, ev.request_id, index, msg)
-            ev.hidden = None  # rows went to the links; the orchestrator gets control only
+            ev.hidden = ev.payload = None  # went to the links; the orchestrator gets control
             if ev.finished:
                 self._forget(ev.request_id)
         return events

@@ -29,7 +29,7 @@ The clients this interface is shaped for:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -78,6 +78,14 @@ class GenModel(Protocol):
 
     def done(self, state: GenRequest) -> bool:
         """After an output (state.outputs counts it): whether that was its last one."""
+
+    def batch_key(self, state: GenRequest) -> Hashable:
+        """Requests batch together only with equal keys (e.g. an image size: one resolution
+        per batch); the oldest ready request's key picks a step's batch."""
+
+    def batch_rows(self, state: GenRequest) -> int:
+        """The rows this request adds to a step (max_batch bounds their sum; a request with more
+        runs alone): 1, or e.g. images x 2 for CFG."""
 
     def is_held(self, batch: Sequence[GenRequest]) -> bool:
         """Running this batch now needs a graphed shape that the unfinished job holds."""

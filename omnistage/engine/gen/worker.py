@@ -100,8 +100,8 @@ class GenStageWorker:
         """Queue the next output of up to max_batch ready requests, earliest output first."""
         t0 = time.perf_counter()
         model = self.model
-        ready = sorted(((rid, r) for rid, r in self.requests.items() if self._ready(r)),
-                       key=lambda item: item[1].outputs)[:self.max_batch]
+        ready = self._pick(sorted(((rid, r) for rid, r in self.requests.items()
+                                   if self._ready(r)), key=lambda item: item[1].outputs))
         events = []
         for rid, r in ready:
             if model.empty(r):  # nothing to compute: it ends without an output
@@ -145,6 +145,21 @@ class GenStageWorker:
         pending = self.launcher.submit(self._queue_run, batch, gpu, end)
         return LaunchedStep((ready, None, False), events, start, end, time.perf_counter() - t0,
                             exclusive=alone, pending=pending)
+
+    def _pick(self, ready: Ready) -> Ready:
+        """The step's batch: in order, the requests whose batch_key is the first one's, while
+        their rows fit max_batch (the first always runs)."""
+        if not ready:
+            return ready
+        key = self.model.batch_key(ready[0][1])
+        picked, rows = [], 0
+        for rid, r in ready:
+            n = self.model.batch_rows(r)
+            if picked and (rows + n > self.max_batch or self.model.batch_key(r) != key):
+                continue
+            picked.append((rid, r))
+            rows += n
+        return picked
 
     def _launch_part(self, t0: float, events: list[StageEvent],
                      ready: Ready | None = None) -> LaunchedStep:

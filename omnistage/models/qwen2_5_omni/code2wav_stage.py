@@ -137,6 +137,12 @@ class Qwen2_5OmniCode2WavModel:
     def _rows(batch: list[Code2WavRequest]) -> list[tuple[Qwen2_5OmniCode2WavStream, int]]:
         return [(r.stream, r.next_chunk) for r in batch]
 
+    def batch_key(self, state: GenRequest) -> None:
+        return None  # any chunks batch together (graphs bucket their widths)
+
+    def batch_rows(self, state: GenRequest) -> int:
+        return 1
+
     def is_held(self, batch: list[Code2WavRequest]) -> bool:
         return self.decoder.is_held(self._rows(batch))
 

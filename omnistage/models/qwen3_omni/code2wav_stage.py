@@ -150,6 +150,12 @@ class Qwen3OmniCode2WavModel:
         return req.codes_finished and req.received == req.decoded
 
     # ---------------------------------------------------------------- steps
+    def batch_key(self, state: GenRequest) -> None:
+        return None  # any chunks batch together (graphs bucket their widths)
+
+    def batch_rows(self, state: GenRequest) -> int:
+        return 1
+
     def is_held(self, batch: list[Qwen3OmniCode2WavRequest]) -> bool:
         return False  # no graphs: no shape is held by a job
 

@@ -68,6 +68,12 @@ class ToyChunker:
     def done(self, state: ToyState) -> bool:
         return state.finished and state.outputs == self._chunks(state)
 
+    def batch_key(self, state: ToyState) -> None:
+        return None
+
+    def batch_rows(self, state: ToyState) -> int:
+        return 1
+
     def is_held(self, batch: list[ToyState]) -> bool:
         return False
 
