@@ -21,8 +21,9 @@ def resolve_model_path(model: str) -> Path:
         raise ValueError("model: must be a non-empty path or hub id")
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model: {model!r} has no config.json")
+        if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            raise ValueError(f"model: {model!r} has no config.json (nor a diffusers "
+                             "model_index.json)")
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ValueError(f"model: {model!r} is not a checkpoint directory "
@@ -44,6 +45,10 @@ def read_json(path: Path) -> dict:
 
 
 def load_config(path: Path) -> dict:
+    """config.json; for a diffusers pipeline folder, its model_index.json (`_class_name` names
+    the pipeline)."""
+    if not (path / "config.json").is_file() and (path / "model_index.json").is_file():
+        return read_json(path / "model_index.json")
     return read_json(path / "config.json")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import DiffusionParams, SamplingParams
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "messages", "voice",
                "use_audio_in_video", "forced_reply"}
@@ -93,7 +93,7 @@ def per_stage_params(sampling_params: Any, n: int, stages: list[str],
         out = dict(defaults)
         if sp is None:
             return out
-        if isinstance(sp, SamplingParams):
+        if isinstance(sp, (SamplingParams, DiffusionParams)):  # (image pipelines: DiffusionParams)
             out[stages[0]] = sp
             return out
         if isinstance(sp, Mapping):
@@ -104,7 +104,8 @@ def per_stage_params(sampling_params: Any, n: int, stages: list[str],
                     raise ValueError(f"{where}[{stage!r}]: must be a SamplingParams")
                 out[stage] = p
             return out
-        raise ValueError(f"{where}: must be a SamplingParams or a dict of them per stage")
+        raise ValueError(f"{where}: must be a SamplingParams (DiffusionParams for an image "
+                         "pipeline) or a dict of them per stage")
 
     if isinstance(sampling_params, list):
         if len(sampling_params) != n:

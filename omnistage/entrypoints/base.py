@@ -67,10 +67,10 @@ class OmniBase:
         if output_modalities is None:
             return list(available)
         if not isinstance(output_modalities, list) or not output_modalities or \
-                "text" not in output_modalities or \
+                ("text" in available and "text" not in output_modalities) or \
                 any(m not in available for m in output_modalities):
             raise ValueError(f"output_modalities: {output_modalities!r}; this model gives "
-                             f"{available} (text always included)")
+                             f"{available} (text always included where it is one)")
         return list(output_modalities)
 
     def _prepare(self, prompts: list, sampling_params: Any,

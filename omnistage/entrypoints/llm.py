@@ -26,15 +26,24 @@ class OmniLLM(OmniBase):
             raise ValueError("prompts: empty list")
         reqs = self._prepare(prompts, sampling_params, output_modalities)
         results: dict[str, OmniRequestOutput] = {}
-        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
+        # image pipelines: the bar counts denoising steps (of every request), from their
+        # progress outputs; otherwise finished requests
+        steps = {r.request_id: 0 for r in reqs if r.progress_total is not None}
+        total = sum(r.progress_total for r in reqs) if steps else len(reqs)
+        bar = tqdm(total=total, desc="denoising steps" if steps else "generate",
+                   disable=not use_tqdm)
 
         def sink(out: OmniRequestOutput) -> None:
+            if out.request_id in steps and out.progress is not None:
+                bar.update(out.progress[0] - steps[out.request_id])
+                steps[out.request_id] = out.progress[0]
             if out.finished:
                 results[out.request_id] = out
-                bar.update(1)
+                if not steps:
+                    bar.update(1)
 
         for req in reqs:
-            self.runtime.submit(req, sink, stream=False)
+            self.runtime.submit(req, sink, stream=req.request_id in steps)
         self.runtime.run_until(lambda: len(results) == len(reqs))
         bar.close()
         outs = [results[r.request_id] for r in reqs]

@@ -44,6 +44,7 @@ class RuntimeRequest:
     text_stage: str
     audio_stage: str | None = None
     image_stage: str | None = None  # the stage whose events carry the images (uint8 HWC)
+    progress_total: int | None = None  # iterative requests: the steps their progress counts
     sample_rate: int | None = None
     seed: int | None = None
     # stage -> stage handoffs of this request (the adapters), run beside the stages

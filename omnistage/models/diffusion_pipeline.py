@@ -1,0 +1,239 @@
+"""What every diffusion image family shares: a diffusers pipeline folder (model_index.json +
+component folders) served as three stages on the non-AR engine (engine/gen/diffusion.py):
+
+    text_encoder (one-shot, batched; identical prompts in a batch encoded once)
+      -> dit (denoising, step-level batching across requests, CFG as batch doubling)
+      -> vae (one-shot decode, batched per size) -> images
+
+A family subclasses `ImagePipeline` with its facts (prompt template, noise layout, timestep
+convention, defaults) and registers three stage builders; the batching, CFG, Euler update and
+hand-offs are the engine's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from omnistage.checkpoint import read_json
+from omnistage.config.schema import PipelineConfig
+from omnistage.engine.gen import GenEngineConfig, GenStageWorker
+from omnistage.engine.gen.diffusion import DenoiseRequest, Denoiser, OneShot, pad_rows
+from omnistage.engine.gen.flow_match import FlowMatchSchedule
+from omnistage.models.registry import register_adapter
+from omnistage.runtime.build import StageContext, build_model, build_stages, new_request_id
+from omnistage.runtime.orchestrator import RuntimeRequest
+from omnistage.runtime.stage import StageEvent, StageLink
+from omnistage.sampling_params import DiffusionParams, SamplingParams
+
+MAX_IMAGES = 8  # per prompt (n): with CFG its rows double, within the denoiser's max_batch
+DENOISE_MAX_ROWS = 16
+DECODE_MAX_ROWS = 8
+MAX_STEPS = 200
+MAX_PROMPT_CHARS = 1 << 16
+
+
+@register_adapter("payload")
+class PayloadLink:
+    """Hands an upstream event's payload (embeddings, latents) to the downstream stage whole."""
+
+    def send(self, ev: StageEvent, upstream: Any) -> Any | None:
+        return ev.payload
+
+    def receive(self, request_id: str, msg: Any, downstream: Any) -> None:
+        downstream.add_input(request_id, msg, True)
+
+
+@dataclass
+class EncodeRequest:
+    """A text-encoder stage request: the prompt's ids, and the negative prompt's when CFG runs."""
+
+    ids: list[int]
+    negative_ids: list[int] | None = None
+
+
+def component_path(ctx: StageContext, component: str) -> Path:
+    return ctx.path / component
+
+
+def load_component(cls: type, ctx: StageContext, component: str, *args: Any) -> Any:
+    """A diffusers component folder's module (config.json + safetensors) on the stage's device,
+    or seeded random weights with load_format="dummy"."""
+    from omnistage.checkpoint import dummy_tensors, iter_tensors, load_parameters
+    folder = component_path(ctx, component)
+    config = read_json(folder / "config.json")
+    if ctx.options.get("load_format") != "dummy":
+        return build_model(lambda cfg: cls(cfg, *args), config, iter_tensors(folder),
+                           ctx.device, ctx.dtype)
+    # random weights by our own parameter names (load_weights takes diffusers' names)
+    model = build_model(lambda cfg: _Unloaded(cls(cfg, *args)), config, [], ctx.device,
+                        ctx.dtype).module
+    load_parameters(model, dummy_tensors(model))
+    return model
+
+
+class _Unloaded(torch.nn.Module):
+    """A module built by build_model without weights (load_format="dummy" fills them)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def load_weights(self, tensors: Any) -> None:
+        pass
+
+
+def encoder_worker(ctx: StageContext, encode: Any, drop: int = 0) -> GenStageWorker:
+    """The text-encoder stage: `encode(ids [B, T], mask [B, T]) -> [B, T, D]`; each unique id
+    sequence of a batch is encoded once; a prompt's embeddings are its rows from `drop` on."""
+
+    def run(requests: list[EncodeRequest]) -> list[dict[str, Any]]:
+        unique = {tuple(ids): None for r in requests
+                  for ids in (r.ids, r.negative_ids) if ids is not None}
+        seqs = list(unique)
+        ids, _ = pad_rows([torch.tensor(s)[:, None] for s in seqs], torch.long)
+        with torch.inference_mode():  # causal and right-padded: real rows need no mask
+            hidden = encode(ids[:, :, 0].to(ctx.device), None)
+        rows = {s: hidden[i, drop:len(s)] for i, s in enumerate(seqs)}
+        return [{"payload": {"text": rows[tuple(r.ids)],
+                             "negative": None if r.negative_ids is None
+                             else rows[tuple(r.negative_ids)]}} for r in requests]
+
+    return GenStageWorker(ctx.name, OneShot(run, needs_input=False), ctx.device,
+                          GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False))
+
+
+def denoiser_worker(ctx: StageContext, network: Any) -> GenStageWorker:
+    return GenStageWorker(ctx.name, Denoiser(network, ctx.device, ctx.dtype), ctx.device,
+                          GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False,
+                                          preempt_parts=0, warmup=False))
+
+
+def to_uint8(images: Tensor) -> list[np.ndarray]:
+    """[B, 3, H, W] in [-1, 1] -> uint8 [H, W, 3] per image, rounded as diffusers does."""
+    x = (images.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    return list((x * 255).round().astype(np.uint8))
+
+
+def decoder_worker(ctx: StageContext, decode: Any) -> GenStageWorker:
+    """The VAE stage: `decode(latents [B, ...], grid) -> [B, 3, H, W]` in [-1, 1] over a batch
+    of requests' (latents, grid) of one shape."""
+
+    def run(inputs: list[tuple[Tensor, tuple]]) -> list[dict[str, Any]]:
+        with torch.inference_mode():
+            latents = torch.cat([lat for lat, _ in inputs]).to(ctx.dtype)
+            images = to_uint8(decode(latents, inputs[0][1]))
+        out, at = [], 0
+        for lat, _ in inputs:
+            out.append({"images": images[at:at + len(lat)]})
+            at += len(lat)
+        return out
+
+    return GenStageWorker(ctx.name, OneShot(run, needs_input=True,
+                                            key=lambda item: (item[1], *item[0].shape[1:]),
+                                            rows=lambda item: item[0].shape[0]),
+                          ctx.device, GenEngineConfig(max_batch=DECODE_MAX_ROWS,
+                                                      first_output_alone=False))
+
+
+class ImagePipeline:
+    """The Pipeline protocol (runtime/pipeline.py) for diffusers text-to-image folders."""
+
+    builtin: str
+    CLASS_NAMES: tuple[str, ...] = ()
+    family = "image"
+    size_multiple = 16  # VAE 8x, then 2x2 patches
+    max_side = 2048
+    max_pixels = 2048 * 2048
+    default_steps = 50
+    max_sequence_length = 512
+
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        return config.get("_class_name") in cls.CLASS_NAMES
+
+    def __init__(self, path, config: dict, pipeline: PipelineConfig, device: torch.device,
+                 dtype: torch.dtype, engine_options: dict[str, Any]) -> None:
+        from omnistage.runtime.build import pop_load_options
+        options = dict(engine_options)
+        load = pop_load_options(options)
+        if options:
+            raise ValueError(f"engine options: {sorted(options)} do not apply to {self.family} "
+                             "(an image pipeline takes device, dtype and load_format)")
+        self.path, self.config, self.model_index = Path(path), pipeline, config
+        if [s.kind for s in pipeline.stages] != ["gen", "gen", "gen"]:
+            raise ValueError(f"pipeline: {self.family} runs three gen stages (text encoder, "
+                             "denoiser, decoder)")
+        self.schedule = FlowMatchSchedule.from_config(
+            read_json(self.path / "scheduler" / "scheduler_config.json"))
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
+        self.output_modalities = ["image"]
+        self.default_params: dict[str, SamplingParams] = {}
+        self.voices: dict[str, Any] = {}
+        self.max_model_len = self.max_sequence_length
+        self.workers, self.process_stages = build_stages(
+            path, config, pipeline, pipeline.stages, device, dtype,
+            {**load, "stage_worker": None})
+
+    @property
+    def stage_names(self) -> list[str]:
+        return self.config.stage_names
+
+    @classmethod
+    def build_stage(cls, path: Path, config: dict, pipeline: PipelineConfig, name: str,
+                    device: torch.device, dtype: torch.dtype, options: dict[str, Any]):
+        from omnistage.runtime.build import build_stage_worker
+        return build_stage_worker(path, config, pipeline, name, device, dtype, options)
+
+    # ------------------------------------------------------------ family hooks
+    def prompt_ids(self, text: str) -> list[int]:
+        """The encoder's ids of one prompt (template, truncation)."""
+        raise NotImplementedError
+
+    def noise(self, n: int, height: int, width: int, seed: int) -> tuple[Tensor, tuple]:
+        """(n images' initial latents, fp32 CPU, drawn as diffusers does; the grid key)."""
+        raise NotImplementedError
+
+    def guidance(self, p: DiffusionParams, sigmas: list[float], steps: int
+                 ) -> tuple[list[float], dict[str, Any], bool]:
+        """(the CFG scale per step, the guide options, whether a negative prompt is encoded)."""
+        raise NotImplementedError
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        return (height // 16) * (width // 16)
+
+    # ------------------------------------------------------------ requests
+    def prepare(self, prompt: Any, params: dict[str, Any], modalities: list[str], where: str,
+                index: int) -> RuntimeRequest:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(prompt, dict) and set(prompt) - {"prompt"}:
+            raise ValueError(f"{where}: an image pipeline takes a text prompt only (a string or "
+                             f"{{'prompt': str}}); got keys {sorted(prompt)}")
+        if not isinstance(text, str) or not text or len(text) > MAX_PROMPT_CHARS:
+            raise ValueError(f"{where}.prompt: a non-empty string of at most "
+                             f"{MAX_PROMPT_CHARS} characters")
+        p = params.get(self.stage_names[0]) or DiffusionParams()
+        if not isinstance(p, DiffusionParams):
+            raise ValueError(f"sampling_params: {self.family} takes DiffusionParams, got "
+                             f"{type(p).__name__}")
+        p.validate("sampling_params", multiple=self.size_multiple, max_pixels=self.max_pixels,
+                   max_side=self.max_side, max_steps=MAX_STEPS, max_images=MAX_IMAGES)
+        steps = p.num_inference_steps or self.default_steps
+        seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**63 - 1))
+        sigmas, timesteps = self.schedule.sigmas(steps, self.image_seq_len(p.height, p.width))
+        guidance, options, negative = self.guidance(p, sigmas, steps)
+        noise, grid = self.noise(p.num_images, p.height, p.width, seed)
+        encode = EncodeRequest(self.prompt_ids(text),
+                               self.prompt_ids(p.negative_prompt or "") if negative else None)
+        te, dit, vae = self.stage_names
+        return RuntimeRequest(
+            request_id=new_request_id(index), path=[te, dit, vae],
+            stage_requests={te: encode, dit: DenoiseRequest(noise, sigmas, timesteps, guidance,
+                                                            grid, options), vae: None},
+            text_stage=te, image_stage=vae, seed=seed, progress_total=steps,
+            links=[StageLink(te, dit, PayloadLink()), StageLink(dit, vae, PayloadLink())])
