@@ -92,7 +92,8 @@ class StageConfig(_Strict):
     inputs: list[StageInput] = []
     default_sampling: SamplingDefaults = SamplingDefaults()
     residual_sampling: ResidualSampling = ResidualSampling()  # multi-codebook stages only
-    output: Literal["text", "audio", "image"] | None = None  # the modality this stage gives the user
+    # the modality this stage gives the user
+    output: Literal["text", "audio", "image"] | None = None
 
     @field_validator("device")
     @classmethod

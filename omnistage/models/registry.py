@@ -81,6 +81,7 @@ def import_all_models() -> None:
     from omnistage.models.qwen2_5_omni import pipeline  # noqa: F401
     from omnistage.models.qwen3_omni import pipeline as _qwen3_omni  # noqa: F401
     from omnistage.models.qwen_image import pipeline as _qwen_image  # noqa: F401
+    from omnistage.models.z_image import pipeline as _z_image  # noqa: F401
 
 
 def resolve_pipeline(config: dict) -> type:

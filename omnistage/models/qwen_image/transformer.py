@@ -190,9 +190,10 @@ class QwenImageJointAttention(nn.Module):
             setattr(self, name, _Weight(hd))
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                key_mask: torch.Tensor | None, text_out: bool
+                groups: list[tuple[torch.Tensor, int]] | None, text_out: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # img [B, L, D], txt [B, T, D]; key_mask [B, 1, 1, T+L] bool or None
+        # img [B, L, D], txt [B, T, D]; groups: None (no text padding) or (rows, real text
+        # length) per distinct length
         hd, text_len = self.head_dim, txt.shape[1]
 
         def heads(proj: nn.Linear, x: torch.Tensor, norm: _Weight | None = None) -> torch.Tensor:
@@ -205,9 +206,21 @@ class QwenImageJointAttention(nn.Module):
                        heads(self.to_k, img, self.norm_k)], dim=1)
         v = torch.cat([heads(self.add_v_proj, txt), heads(self.to_v, img)], dim=1)
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=key_mask)
-        out = out.transpose(1, 2).flatten(2)  # [B, T+L, D]
+        if groups is None:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                 v.transpose(1, 2)).transpose(1, 2)
+        else:
+            # NOTE: one unmasked attention per text length over the real tokens only (flash
+            # kernels take no mask); padded text rows keep zeros (nothing reads them)
+            out = torch.zeros_like(q)  # [B, S, H, hd]
+            for rows, length in groups:
+                real = torch.cat([torch.arange(length, device=q.device),
+                                  torch.arange(text_len, q.shape[1], device=q.device)])
+                pick = (rows[:, None], real[None, :])
+                out[pick] = F.scaled_dot_product_attention(
+                    q[pick].transpose(1, 2), k[pick].transpose(1, 2),
+                    v[pick].transpose(1, 2)).transpose(1, 2)
+        out = out.flatten(2)  # [B, T+L, D]
         img_out = self.to_out(out[:, text_len:])
         return img_out, (self.to_add_out(out[:, :text_len]) if text_out else None)
 
@@ -223,15 +236,16 @@ class QwenImageBlock(nn.Module):
         self.txt_mlp = QwenImageFeedForward(dim)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, temb_act: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor | None,
-                text_out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: tuple[torch.Tensor, torch.Tensor],
+                groups: list[tuple[torch.Tensor, int]] | None, text_out: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """text_out=False (the last block): the text stream is not updated (nothing reads it)."""
         # temb_act: silu(temb) [B, D]; each mod row: shift, scale, gate (attention), same (MLP)
         img_mod = self.img_mod(temb_act)[:, None].chunk(6, dim=-1)
         txt_mod = self.txt_mod(temb_act)[:, None].chunk(6, dim=-1)
         img_attn, txt_attn = self.attn(
             _layer_norm(img) * (1 + img_mod[1]) + img_mod[0],
-            _layer_norm(txt) * (1 + txt_mod[1]) + txt_mod[0], rope, key_mask, text_out)
+            _layer_norm(txt) * (1 + txt_mod[1]) + txt_mod[0], rope, groups, text_out)
         img = img + img_mod[2] * img_attn
         img = img + img_mod[5] * self.img_mlp(_layer_norm(img) * (1 + img_mod[4]) + img_mod[3])
         if text_out:
@@ -329,12 +343,14 @@ class QwenImageTransformer(nn.Module):
         txt = self.txt_in(_rms_norm(text.to(dtype), self.txt_norm.weight))
         temb_act = F.silu(self.time_embedding(timestep, dtype))
         rope = self.rope_table((int(grid[0]), int(grid[1])), text.shape[1], latents.device)
-        key_mask = None
-        if text_mask is not None:  # image keys are always real
-            image_keys = text_mask.new_ones(latents.shape[:2])
-            key_mask = torch.cat([text_mask, image_keys], dim=1)[:, None, None, :]
+        groups = None
+        if text_mask is not None and not bool(text_mask.all()):  # (one host sync per step)
+            lengths = text_mask.sum(dim=1).tolist()
+            groups = [(torch.tensor([i for i, n in enumerate(lengths) if n == length],
+                                    device=latents.device), int(length))
+                      for length in sorted(set(lengths))]
         last = len(self.transformer_blocks) - 1
         for index, block in enumerate(self.transformer_blocks):
-            img, txt = block(img, txt, temb_act, rope, key_mask, text_out=index < last)
+            img, txt = block(img, txt, temb_act, rope, groups, text_out=index < last)
         scale, shift = self.norm_out(temb_act)[:, None].chunk(2, dim=-1)
         return self.proj_out(_layer_norm(img) * (1 + scale) + shift)
