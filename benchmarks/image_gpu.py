@@ -51,9 +51,10 @@ QWEN3_4B = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers":
 
 def _update_json(path: Path, values: dict, nested: str | None = None) -> None:
     cfg = json.loads(path.read_text())
-    cfg.update(values)
-    if nested and isinstance(cfg.get(nested), dict):
-        cfg[nested].update(values)
+    for part in (cfg, cfg.get(nested) if nested else None):
+        if isinstance(part, dict):
+            part.update(values)
+            part.pop("layer_types", None)  # (per-layer lists of the tiny depth)
     path.write_text(json.dumps(cfg, indent=2))
 
 
@@ -76,6 +77,10 @@ def real_shape_folder(family: str, root: Path, tiny: bool) -> Path:
         _update_json(path / "text_encoder" / "config.json", QWEN2_5_VL_7B_TEXT, "text_config")
         cfg = json.loads((path / "text_encoder" / "config.json").read_text())
         cfg.setdefault("vision_config", {})["out_hidden_size"] = 3584
+        for part in (cfg, cfg.get("text_config") or {}):  # the released mrope split
+            for key in ("rope_parameters", "rope_scaling"):
+                if isinstance(part.get(key), dict) and "mrope_section" in part[key]:
+                    part[key]["mrope_section"] = [16, 24, 24]
         (path / "text_encoder" / "config.json").write_text(json.dumps(cfg, indent=2))
     else:
         _update_json(path / "transformer" / "config.json", Z_IMAGE_TRANSFORMER)
