@@ -35,7 +35,8 @@ PROMPTS = ["a red fox in fresh snow, morning light", "a lighthouse on a cliff at
 
 # real component shapes (the released config.json values that set the compute)
 QWEN_IMAGE_TRANSFORMER = {"attention_head_dim": 128, "num_attention_heads": 24,
-                          "num_layers": 60, "joint_attention_dim": 3584}
+                          "num_layers": 60, "joint_attention_dim": 3584,
+                          "axes_dims_rope": [16, 56, 56]}
 QWEN_IMAGE_VAE = {"base_dim": 96}
 QWEN2_5_VL_7B_TEXT = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                       "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
