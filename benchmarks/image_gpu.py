@@ -129,6 +129,7 @@ def diffusers_pipeline(family: str, path: Path, device: str, dtype: torch.dtype)
     cls = getattr(diffusers, index["_class_name"])
     pipe = cls(**parts)
     pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_slicing()  # one image per VAE decode: a batch of 1024x1024 decodes OOMs
     return pipe
 
 

@@ -33,6 +33,7 @@ from omnistage.sampling_params import DiffusionParams, SamplingParams
 MAX_IMAGES = 8  # per prompt (n): with CFG its rows double, within the denoiser's max_batch
 DENOISE_MAX_ROWS = 16
 DECODE_MAX_ROWS = 8
+DECODE_PIXELS = 2 * 1024 * 1024  # per VAE call (a 1024x1024 decode peaks at ~5 GB)
 MAX_STEPS = 200
 MAX_PROMPT_CHARS = 1 << 16
 
@@ -124,14 +125,21 @@ def decoder_worker(ctx: StageContext, decode: Any) -> GenStageWorker:
     of requests' (latents, grid) of one shape."""
 
     def run(inputs: list[tuple[Tensor, tuple]]) -> list[dict[str, Any]]:
-        with torch.inference_mode():
-            latents = torch.cat([lat for lat, _ in inputs]).to(ctx.dtype)
-            images = to_uint8(decode(latents, inputs[0][1]))
+        latents = torch.cat([lat for lat, _ in inputs]).to(ctx.dtype)
+        per_call = max(1, DECODE_PIXELS // pixels(inputs[0]))
+        images = []
+        with torch.inference_mode():  # in calls of at most DECODE_PIXELS (activation memory)
+            for chunk in latents.split(per_call):
+                images += to_uint8(decode(chunk, inputs[0][1]))
         out, at = [], 0
         for lat, _ in inputs:
             out.append({"images": images[at:at + len(lat)]})
             at += len(lat)
         return out
+
+    def pixels(item: tuple[Tensor, tuple]) -> int:  # of one image: 8x the latent's side
+        return 64 * item[0].shape[-1] * item[0].shape[-2] if item[0].dim() == 4 else \
+            256 * item[0].shape[1]  # (packed 2x2 tokens)
 
     return GenStageWorker(ctx.name, OneShot(run, needs_input=True,
                                             key=lambda item: (item[1], *item[0].shape[1:]),
