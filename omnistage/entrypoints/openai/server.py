@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: a FastAPI app on one AsyncOmniLLM, run by uvicorn.
 
-Routes: POST /v1/chat/completions, POST /v1/audio/speech, GET /v1/models[/{id}], GET /health,
-GET /metrics. Every error is OpenAI's JSON ({"error": {message, type, param, code}}). An ASGI
-guard in front checks the API key (/v1 routes) and the body size before any route runs.
+Routes: POST /v1/chat/completions, POST /v1/audio/speech, POST /v1/images/generations (image
+pipelines; they answer 400 on the other two), GET /v1/models[/{id}], GET /health, GET /metrics.
+Every error is OpenAI's JSON ({"error": {message, type, param, code}}). An ASGI guard in front
+checks the API key (/v1 routes) and the body size before any route runs.
 SIGTERM/SIGINT: stop accepting, refuse new requests with 503, let running ones finish for up
 to `shutdown_timeout` seconds, then stop the engine."""
 
@@ -24,8 +25,10 @@ from starlette.responses import JSONResponse, Response
 
 from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                    SpeechRequest, error_body, parse_body)
+from omnistage.entrypoints.openai.protocol_images import ImageGenerationRequest
 from omnistage.entrypoints.openai.serving import ServerConfig, ServerState
 from omnistage.entrypoints.openai.serving_chat import OpenAIServingChat
+from omnistage.entrypoints.openai.serving_images import OpenAIServingImages
 from omnistage.entrypoints.openai.serving_speech import OpenAIServingSpeech
 
 log = logging.getLogger("omnistage.server")
@@ -89,6 +92,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     if processor is not None and hasattr(processor, "allow_local_paths"):
         processor.allow_local_paths = config.allow_local_media  # no file reads from requests
     chat, speech = OpenAIServingChat(state), OpenAIServingSpeech(state)
+    images = OpenAIServingImages(state)
     created = int(time.time())
 
     @asynccontextmanager
@@ -141,14 +145,26 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         state.check_model(model_id)
         return card(model_id)
 
+    def not_an_image_model() -> None:
+        if "image" in state.output_modalities:
+            raise APIError(400, "model: this model generates images; use "
+                           "/v1/images/generations", param="model")
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        not_an_image_model()
         return await chat.create(parse_body(ChatCompletionRequest, await request.body()),
                                  request)
 
     @app.post("/v1/audio/speech")
     async def audio_speech(request: Request) -> Response:
+        not_an_image_model()
         return await speech.create(parse_body(SpeechRequest, await request.body()), request)
+
+    @app.post("/v1/images/generations")
+    async def images_generations(request: Request) -> Response:
+        return await images.create(parse_body(ImageGenerationRequest, await request.body()),
+                                   request)
 
     app.add_middleware(_Guard, config=config)
     return app
