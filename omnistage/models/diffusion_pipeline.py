@@ -109,9 +109,14 @@ def encoder_worker(ctx: StageContext, encode: Any, drop: int = 0) -> GenStageWor
 
 
 def denoiser_worker(ctx: StageContext, network: Any) -> GenStageWorker:
-    return GenStageWorker(ctx.name, Denoiser(network, ctx.device, ctx.dtype), ctx.device,
+    """The denoising stage; on CUDA its blocks are compiled and warmed up while it is built
+    (constructor keyword `dit_compile=False`: eager)."""
+    compile_blocks = ctx.options.get("dit_compile")
+    compile_blocks = ctx.device.type == "cuda" if compile_blocks is None else compile_blocks
+    denoiser = Denoiser(network, ctx.device, ctx.dtype, compile=compile_blocks)
+    return GenStageWorker(ctx.name, denoiser, ctx.device,
                           GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False,
-                                          preempt_parts=0, warmup=False))
+                                          preempt_parts=0, warmup=compile_blocks))
 
 
 def to_uint8(images: Tensor) -> list[np.ndarray]:
@@ -169,9 +174,13 @@ class ImagePipeline:
         from omnistage.runtime.build import pop_load_options
         options = dict(engine_options)
         load = pop_load_options(options)
+        dit_compile = options.pop("dit_compile", None)
+        if dit_compile not in (None, True, False):
+            raise ValueError(f"dit_compile: true, false or None (on for CUDA), got "
+                             f"{dit_compile!r}")
         if options:
             raise ValueError(f"engine options: {sorted(options)} do not apply to {self.family} "
-                             "(an image pipeline takes device, dtype and load_format)")
+                             "(an image pipeline takes device, dtype, load_format, dit_compile)")
         self.path, self.config, self.model_index = Path(path), pipeline, config
         if [s.kind for s in pipeline.stages] != ["gen", "gen", "gen"]:
             raise ValueError(f"pipeline: {self.family} runs three gen stages (text encoder, "
@@ -186,7 +195,7 @@ class ImagePipeline:
         self.max_model_len = self.max_sequence_length
         self.workers, self.process_stages = build_stages(
             path, config, pipeline, pipeline.stages, device, dtype,
-            {**load, "stage_worker": None})
+            {**load, "dit_compile": dit_compile, "stage_worker": None})
 
     @property
     def stage_names(self) -> list[str]:

@@ -173,3 +173,26 @@ def test_bad_params_name_the_field(engines, family):
         llm.generate("x", DiffusionParams(64, 64, **wrong), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate({"prompt": "x", "multi_modal_data": {}}, DiffusionParams(64, 64))
+
+
+def test_engine_options_are_checked(checkpoints):
+    with pytest.raises(ValueError, match="dit_compile"):
+        OmniLLM(model=str(checkpoints["z_image"]), device="cpu", dit_compile="yes")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        OmniLLM(model=str(checkpoints["z_image"]), device="cpu", max_num_seqs=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen_image", "z_image"])
+def test_compiled_blocks_equal_eager_on_gpu(checkpoints, family):
+    """CUDA: compiled (the default, warmed up at build) and eager blocks give the same image."""
+    p = DiffusionParams(64, 48, 3, true_cfg_scale=3.0 if family == "qwen_image" else None,
+                        guidance_scale=None if family == "qwen_image" else 2.0,
+                        negative_prompt="dark", seed=0)
+    images = []
+    for compiled in (False, True):
+        with OmniLLM(model=str(checkpoints[family]), device="cuda", dtype="float32",
+                     dit_compile=compiled) as llm:
+            images.append(ours(llm, "a lighthouse", p))
+    diff = np.abs(images[0].astype(np.int16) - images[1].astype(np.int16))
+    assert diff.max() <= MAX_DIFF and diff.mean() <= MEAN_DIFF

@@ -48,6 +48,18 @@ class QwenImageNetwork:
         combined = uncond + scale * (cond - uncond)
         return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
+    def compile(self) -> None:
+        self.dit.compile_blocks()
+
+    def example(self, rows: int, text_len: int, size: int) -> tuple:
+        w = self.dit.img_in.weight
+        cfg, grid = self.dit.cfg, (size // 16, size // 16)
+        return (torch.randn(rows, grid[0] * grid[1], cfg.in_channels, device=w.device,
+                            dtype=w.dtype),
+                torch.full((rows,), 500.0, device=w.device),
+                torch.randn(rows, text_len, cfg.joint_attention_dim, device=w.device,
+                            dtype=w.dtype), None, grid)
+
 
 def unpack(tokens: Tensor, h: int, w: int) -> Tensor:
     """[n, h*w, C*4] 2x2 patches -> [n, C, 2h, 2w] latents."""

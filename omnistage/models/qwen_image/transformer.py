@@ -189,12 +189,10 @@ class QwenImageJointAttention(nn.Module):
         for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
             setattr(self, name, _Weight(hd))
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                groups: list[tuple[torch.Tensor, int]] | None, text_out: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # img [B, L, D], txt [B, T, D]; groups: None (no text padding) or (rows, real text
-        # length) per distinct length
-        hd, text_len = self.head_dim, txt.shape[1]
+    def qkv(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, T+L, H, hd] of the joint sequence [text; image], q/k normed and rotated."""
+        hd = self.head_dim
 
         def heads(proj: nn.Linear, x: torch.Tensor, norm: _Weight | None = None) -> torch.Tensor:
             y = proj(x).unflatten(-1, (-1, hd))  # [B, S, H, hd]
@@ -205,24 +203,27 @@ class QwenImageJointAttention(nn.Module):
         k = torch.cat([heads(self.add_k_proj, txt, self.norm_added_k),
                        heads(self.to_k, img, self.norm_k)], dim=1)
         v = torch.cat([heads(self.add_v_proj, txt), heads(self.to_v, img)], dim=1)
-        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-        if groups is None:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                 v.transpose(1, 2)).transpose(1, 2)
-        else:
-            # NOTE: one unmasked attention per text length over the real tokens only (flash
-            # kernels take no mask); padded text rows keep zeros (nothing reads them)
-            out = torch.zeros_like(q)  # [B, S, H, hd]
-            for rows, length in groups:
-                real = torch.cat([torch.arange(length, device=q.device),
-                                  torch.arange(text_len, q.shape[1], device=q.device)])
-                pick = (rows[:, None], real[None, :])
-                out[pick] = F.scaled_dot_product_attention(
-                    q[pick].transpose(1, 2), k[pick].transpose(1, 2),
-                    v[pick].transpose(1, 2)).transpose(1, 2)
-        out = out.flatten(2)  # [B, T+L, D]
-        img_out = self.to_out(out[:, text_len:])
-        return img_out, (self.to_add_out(out[:, :text_len]) if text_out else None)
+        return _apply_rope(q, *rope), _apply_rope(k, *rope), v
+
+
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
+                    groups: list[tuple[torch.Tensor, int]] | None) -> torch.Tensor:
+    """Attention over [text; image] ([B, S, H, hd] in and out). groups: None (no text padding)
+    or (rows, real text length) per distinct length."""
+    if groups is None:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2)).transpose(1, 2)
+    # NOTE: one unmasked attention per text length over the real tokens only (flash kernels
+    # take no mask); padded text rows keep zeros (nothing reads them)
+    out = torch.zeros_like(q)
+    for rows, length in groups:
+        real = torch.cat([torch.arange(length, device=q.device),
+                          torch.arange(text_len, q.shape[1], device=q.device)])
+        pick = (rows[:, None], real[None, :])
+        out[pick] = F.scaled_dot_product_attention(
+            q[pick].transpose(1, 2), k[pick].transpose(1, 2),
+            v[pick].transpose(1, 2)).transpose(1, 2)
+    return out
 
 
 class QwenImageBlock(nn.Module):
@@ -239,22 +240,40 @@ class QwenImageBlock(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor],
                 groups: list[tuple[torch.Tensor, int]] | None, text_out: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """text_out=False (the last block): the text stream is not updated (nothing reads it)."""
+        """text_out=False (the last block): the text stream is not updated (nothing reads it).
+        NOTE: pre and post hold every elementwise op (torch.compile fuses them on GPU); the
+        attention between them stays eager (its text-length groups vary per step)."""
+        q, k, v, img_mod, txt_mod = self.pre(img, txt, temb_act, rope)
+        out = joint_attention(q, k, v, txt.shape[1], groups).flatten(2)  # [B, T+L, D]
+        return self.post(img, txt, out, img_mod, txt_mod, text_out)
+
+    def pre(self, img: torch.Tensor, txt: torch.Tensor, temb_act: torch.Tensor,
+            rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         # temb_act: silu(temb) [B, D]; each mod row: shift, scale, gate (attention), same (MLP)
-        img_mod = self.img_mod(temb_act)[:, None].chunk(6, dim=-1)
-        txt_mod = self.txt_mod(temb_act)[:, None].chunk(6, dim=-1)
-        img_attn, txt_attn = self.attn(
-            _layer_norm(img) * (1 + img_mod[1]) + img_mod[0],
-            _layer_norm(txt) * (1 + txt_mod[1]) + txt_mod[0], rope, groups, text_out)
-        img = img + img_mod[2] * img_attn
-        img = img + img_mod[5] * self.img_mlp(_layer_norm(img) * (1 + img_mod[4]) + img_mod[3])
+        img_mod = self.img_mod(temb_act)[:, None]
+        txt_mod = self.txt_mod(temb_act)[:, None]
+        i, t = img_mod.chunk(6, dim=-1), txt_mod.chunk(6, dim=-1)
+        q, k, v = self.attn.qkv(_layer_norm(img) * (1 + i[1]) + i[0],
+                                _layer_norm(txt) * (1 + t[1]) + t[0], rope)
+        return q, k, v, img_mod, txt_mod
+
+    def post(self, img: torch.Tensor, txt: torch.Tensor, out: torch.Tensor, img_mod: torch.Tensor,
+             txt_mod: torch.Tensor, text_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        text_len, a = txt.shape[1], self.attn
+        i, t = img_mod.chunk(6, dim=-1), txt_mod.chunk(6, dim=-1)
+        img = img + i[2] * a.to_out(out[:, text_len:])
+        img = img + i[5] * self.img_mlp(_layer_norm(img) * (1 + i[4]) + i[3])
         if text_out:
-            txt = txt + txt_mod[2] * txt_attn
-            txt = txt + txt_mod[5] * self.txt_mlp(_layer_norm(txt) * (1 + txt_mod[4])
-                                                  + txt_mod[3])
+            txt = txt + t[2] * a.to_add_out(out[:, :text_len])
+            txt = txt + t[5] * self.txt_mlp(_layer_norm(txt) * (1 + t[4]) + t[3])
         if img.dtype == torch.float16:  # as diffusers: keep fp16 activations finite
             img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
         return img, txt
+
+    def compile_parts(self) -> None:
+        """torch.compile the elementwise parts (shapes: dynamic after the first change)."""
+        self.pre = torch.compile(self.pre)
+        self.post = torch.compile(self.post)
 
 
 class QwenImageTransformer(nn.Module):
@@ -275,6 +294,11 @@ class QwenImageTransformer(nn.Module):
         self.norm_out = nn.Linear(dim, 2 * dim)
         self.proj_out = nn.Linear(dim, cfg.out_dim)
         self._rope_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def compile_blocks(self) -> None:
+        """torch.compile every block's elementwise parts (GPU serving)."""
+        for block in self.transformer_blocks:
+            block.compile_parts()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy diffusers-named tensors (transformer/*.safetensors) into the parameters;

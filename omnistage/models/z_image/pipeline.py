@@ -53,6 +53,17 @@ class ZImageNetwork:
             guided = torch.where(norm > limit, guided * (limit / norm), guided)
         return guided
 
+    def compile(self) -> None:
+        self.dit.compile_blocks()
+
+    def example(self, rows: int, text_len: int, size: int) -> tuple:
+        w, cfg = self.dit.x_pad_token, self.dit.cfg
+        return (torch.randn(rows, cfg.in_channels, size // 8, size // 8, device=w.device,
+                            dtype=w.dtype),
+                torch.full((rows,), 500.0, device=w.device),
+                torch.randn(rows, text_len, cfg.cap_feat_dim, device=w.device, dtype=w.dtype),
+                None, ())
+
 
 @register_stage("ZImageTextEncoder", "gen")
 def build_text_encoder(ctx: StageContext):

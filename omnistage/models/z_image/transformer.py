@@ -255,6 +255,12 @@ class ZImageTransformer(nn.Module):
         self._tables: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._static_rope: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
+    def compile_blocks(self) -> None:
+        """torch.compile every block (GPU serving; shapes dynamic after the first change, one
+        graph with a key mask and one without)."""
+        for block in (*self.noise_refiner, *self.context_refiner, *self.layers):
+            block.forward = torch.compile(block.forward)
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """diffusers' transformer safetensors names; ValueError on a missing, unexpected or
         mis-shaped tensor."""
