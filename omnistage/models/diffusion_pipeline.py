@@ -108,6 +108,14 @@ def encoder_worker(ctx: StageContext, encode: Any, drop: int = 0) -> GenStageWor
                           GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False))
 
 
+def example_mask(rows: int, text_len: int, padded: bool, device: torch.device) -> Tensor | None:
+    """A warm-up text mask: row i holds text_len - i real tokens (None: unpadded)."""
+    if not padded:
+        return None
+    return torch.arange(text_len, device=device)[None] < (text_len - torch.arange(
+        rows, device=device))[:, None]
+
+
 def denoiser_worker(ctx: StageContext, network: Any) -> GenStageWorker:
     """The denoising stage; on CUDA its blocks are compiled and warmed up while it is built
     (constructor keyword `dit_compile=False`: eager)."""
@@ -196,6 +204,17 @@ class ImagePipeline:
         self.workers, self.process_stages = build_stages(
             path, config, pipeline, pipeline.stages, device, dtype,
             {**load, "dit_compile": dit_compile, "stage_worker": None})
+        if device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One encode and one decode at the default size now (cuDNN picks its convolution
+        algorithms on a shape's first call: the first request would pay for it)."""
+        te, _, vae = self.stage_names
+        p = DiffusionParams()
+        latents, grid = self.noise(1, p.height, p.width, 0)
+        self.workers[te].model.run_batch([EncodeRequest(self.prompt_ids("warm-up"))])
+        self.workers[vae].model.run_batch([(latents.to(self.workers[vae].device), grid)])
 
     @property
     def stage_names(self) -> list[str]:

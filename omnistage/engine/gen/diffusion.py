@@ -39,8 +39,9 @@ class DiffusionTransformer(Protocol):
     def compile(self) -> None:
         """torch.compile its blocks (the engine then warms them up: `example`)."""
 
-    def example(self, rows: int, text_len: int, size: int) -> tuple:
-        """predict()'s arguments for `rows` random rows of a size x size image (warm-up)."""
+    def example(self, rows: int, text_len: int, size: int, padded: bool) -> tuple:
+        """predict()'s arguments for `rows` random rows of a size x size image (warm-up);
+        padded: a text mask whose rows have different lengths."""
 
 
 @dataclass
@@ -82,9 +83,11 @@ def pad_rows(rows: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor
     return out, (None if all(r.shape[0] == longest for r in rows) else mask)
 
 
-# warm-up calls (rows, text length, image side) that leave compiled blocks with every graph a
-# request needs: static first, then B / T / L dynamic (B >= 2), then B = 1 with T / L dynamic
-WARMUP_SHAPES = ((1, 16, 1024), (2, 23, 768), (1, 31, 512))
+# warm-up calls (rows, text length, image side, padded text) that leave compiled blocks with
+# every graph a request needs: static first, then B / T / L dynamic (B >= 2), then B = 1 with
+# T / L dynamic; the same for batches whose texts differ in length (a key mask)
+WARMUP_SHAPES = ((1, 16, 1024, False), (2, 23, 768, False), (1, 31, 512, False),
+                 (2, 23, 1024, True), (3, 29, 768, True))
 
 
 class Denoiser:
@@ -184,8 +187,8 @@ class Denoiser:
         if not self.compiled:
             return
         start = time.perf_counter()
-        for rows, text_len, size in WARMUP_SHAPES:
-            self.network.predict(*self.network.example(rows, text_len, size))
+        for rows, text_len, size, padded in WARMUP_SHAPES:
+            self.network.predict(*self.network.example(rows, text_len, size, padded))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
@@ -216,7 +219,7 @@ class OneShot:
     def __init__(self, run_batch: Callable[[list[Any]], list[dict[str, Any]]],
                  needs_input: bool, key: Callable[[Any], Hashable] = lambda item: None,
                  rows: Callable[[Any], int] = lambda item: 1) -> None:
-        self.run_batch, self.needs_input = run_batch, needs_input
+        self.run_batch, self.needs_input = run_batch, needs_input  # (run_batch also warms up)
         self.key, self.rows = key, rows
         self.batches = 0
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from omnistage.models.diffusion_pipeline import (ImagePipeline, decoder_worker, denoiser_worker,
-                                                 encoder_worker, load_component)
+                                                 encoder_worker, example_mask, load_component)
 from omnistage.models.qwen_image.transformer import QwenImageTransformer
 from omnistage.models.qwen_image.vae import QwenImageVAEDecoder
 from omnistage.models.registry import register_pipeline, register_stage
@@ -51,14 +51,14 @@ class QwenImageNetwork:
     def compile(self) -> None:
         self.dit.compile_blocks()
 
-    def example(self, rows: int, text_len: int, size: int) -> tuple:
+    def example(self, rows: int, text_len: int, size: int, padded: bool) -> tuple:
         w = self.dit.img_in.weight
         cfg, grid = self.dit.cfg, (size // 16, size // 16)
         return (torch.randn(rows, grid[0] * grid[1], cfg.in_channels, device=w.device,
                             dtype=w.dtype),
                 torch.full((rows,), 500.0, device=w.device),
                 torch.randn(rows, text_len, cfg.joint_attention_dim, device=w.device,
-                            dtype=w.dtype), None, grid)
+                            dtype=w.dtype), example_mask(rows, text_len, padded, w.device), grid)
 
 
 def unpack(tokens: Tensor, h: int, w: int) -> Tensor:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.checkpoint import load_parameters
+from omnistage.layers.compile import raise_recompile_limit
 
 ROPE_THETA = 10000.0
 TIME_PROJ_DIM = 256  # diffusers' Timesteps(num_channels=256, flip_sin_to_cos, scale=1000)
@@ -297,6 +298,7 @@ class QwenImageTransformer(nn.Module):
 
     def compile_blocks(self) -> None:
         """torch.compile every block's elementwise parts (GPU serving)."""
+        raise_recompile_limit()
         for block in self.transformer_blocks:
             block.compile_parts()
 

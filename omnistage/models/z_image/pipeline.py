@@ -19,7 +19,7 @@ from torch import Tensor
 
 from omnistage.models.autoencoder_kl import AutoencoderKLDecoder
 from omnistage.models.diffusion_pipeline import (ImagePipeline, decoder_worker, denoiser_worker,
-                                                 encoder_worker, load_component)
+                                                 encoder_worker, example_mask, load_component)
 from omnistage.models.registry import register_pipeline, register_stage
 from omnistage.models.text_encoder import CausalTextEncoder
 from omnistage.models.z_image.transformer import ZImageTransformer
@@ -56,13 +56,13 @@ class ZImageNetwork:
     def compile(self) -> None:
         self.dit.compile_blocks()
 
-    def example(self, rows: int, text_len: int, size: int) -> tuple:
+    def example(self, rows: int, text_len: int, size: int, padded: bool) -> tuple:
         w, cfg = self.dit.x_pad_token, self.dit.cfg
         return (torch.randn(rows, cfg.in_channels, size // 8, size // 8, device=w.device,
                             dtype=w.dtype),
                 torch.full((rows,), 500.0, device=w.device),
                 torch.randn(rows, text_len, cfg.cap_feat_dim, device=w.device, dtype=w.dtype),
-                None, ())
+                example_mask(rows, text_len, padded, w.device), ())
 
 
 @register_stage("ZImageTextEncoder", "gen")

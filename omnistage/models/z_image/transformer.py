@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.checkpoint import load_parameters
+from omnistage.layers.compile import raise_recompile_limit
 
 SEQ_MULTIPLE = 32  # diffusers pads image and caption tokens to a multiple of this
 ADALN_MAX_DIM = 256  # the timestep embedding's width: min(dim, 256)
@@ -258,6 +259,7 @@ class ZImageTransformer(nn.Module):
     def compile_blocks(self) -> None:
         """torch.compile every block (GPU serving; shapes dynamic after the first change, one
         graph with a key mask and one without)."""
+        raise_recompile_limit()
         for block in (*self.noise_refiner, *self.context_refiner, *self.layers):
             block.forward = torch.compile(block.forward)
 
