@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omnistage.checkpoint import load_parameters
 from omnistage.layers.compile import raise_recompile_limit
@@ -37,6 +38,9 @@ ROPE_THETA = 10000.0
 TIME_PROJ_DIM = 256  # diffusers' Timesteps(num_channels=256, flip_sin_to_cos, scale=1000)
 NORM_EPS = 1e-6
 ROPE_CACHE_SIZE = 32
+# cuDNN's attention first where it applies (bf16 on Hopper), then flash, then the others
+CUDA_ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                           SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # diffusers name fragment -> ours, applied in order to every checkpoint name
 _RENAMES = (
@@ -211,6 +215,14 @@ def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len:
                     groups: list[tuple[torch.Tensor, int]] | None) -> torch.Tensor:
     """Attention over [text; image] ([B, S, H, hd] in and out). groups: None (no text padding)
     or (rows, real text length) per distinct length."""
+    if not q.is_cuda:
+        return _joint_attention(q, k, v, text_len, groups)
+    with sdpa_kernel(CUDA_ATTENTION_BACKENDS, set_priority=True):
+        return _joint_attention(q, k, v, text_len, groups)
+
+
+def _joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int,
+                     groups: list[tuple[torch.Tensor, int]] | None) -> torch.Tensor:
     if groups is None:
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2)).transpose(1, 2)
