@@ -104,7 +104,7 @@ def encoder_worker(ctx: StageContext, encode: Any, drop: int = 0) -> GenStageWor
                              "negative": None if r.negative_ids is None
                              else rows[tuple(r.negative_ids)]}} for r in requests]
 
-    return GenStageWorker(ctx.name, OneShot(run, needs_input=False), ctx.device,
+    return GenStageWorker(ctx.name, OneShot(run, needs_input=False, module=encode), ctx.device,
                           GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False))
 
 
@@ -133,7 +133,7 @@ def to_uint8(images: Tensor) -> list[np.ndarray]:
     return list((x * 255).round().astype(np.uint8))
 
 
-def decoder_worker(ctx: StageContext, decode: Any) -> GenStageWorker:
+def decoder_worker(ctx: StageContext, decode: Any, module: torch.nn.Module) -> GenStageWorker:
     """The VAE stage: `decode(latents [B, ...], grid) -> [B, 3, H, W]` in [-1, 1] over a batch
     of requests' (latents, grid) of one shape."""
 
@@ -156,7 +156,8 @@ def decoder_worker(ctx: StageContext, decode: Any) -> GenStageWorker:
 
     return GenStageWorker(ctx.name, OneShot(run, needs_input=True,
                                             key=lambda item: (item[1], *item[0].shape[1:]),
-                                            rows=lambda item: item[0].shape[0]),
+                                            rows=lambda item: item[0].shape[0],
+                                            module=module),
                           ctx.device, GenEngineConfig(max_batch=DECODE_MAX_ROWS,
                                                       first_output_alone=False))
 

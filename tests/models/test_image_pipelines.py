@@ -196,3 +196,21 @@ def test_compiled_blocks_equal_eager_on_gpu(checkpoints, family):
             images.append(ours(llm, "a lighthouse", p))
     diff = np.abs(images[0].astype(np.int16) - images[1].astype(np.int16))
     assert diff.max() <= MAX_DIFF and diff.mean() <= MEAN_DIFF
+
+
+def test_async_reports_progress(checkpoints):
+    """AsyncOmniLLM yields (steps done, steps) while it denoises, then the images."""
+    import asyncio
+
+    from omnistage import AsyncOmniLLM
+
+    async def run() -> list:
+        async with AsyncOmniLLM(model=str(checkpoints["z_image"]), device="cpu") as llm:
+            return [out async for out in llm.generate(
+                "a lighthouse", DiffusionParams(64, 48, 4, num_images=2, seed=5))]
+
+    outs = asyncio.run(run())
+    steps = [o.progress for o in outs if not o.finished]
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert outs[-1].finished and outs[-1].error is None and len(outs[-1].images) == 2
+    assert all(not o.images for o in outs[:-1])

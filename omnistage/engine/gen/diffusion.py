@@ -25,6 +25,8 @@ from omnistage.engine.gen.model import GenRequest
 class DiffusionTransformer(Protocol):
     """What a family's denoiser network gives the engine."""
 
+    dit: torch.nn.Module  # the network holding its weights (placement logs, statistics)
+
     def predict(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
                 grid: tuple[int, ...]) -> Tensor:
         """The flow velocity (fp32 or the compute dtype) for rows of latents [R, ...] in the
@@ -100,6 +102,7 @@ class Denoiser:
     def __init__(self, network: DiffusionTransformer, device: torch.device,
                  dtype: torch.dtype, compile: bool = False) -> None:
         self.network, self.device, self.dtype = network, device, dtype
+        self.module = network.dit
         self.compiled = compile
         if compile:
             network.compile()
@@ -218,8 +221,10 @@ class OneShot:
 
     def __init__(self, run_batch: Callable[[list[Any]], list[dict[str, Any]]],
                  needs_input: bool, key: Callable[[Any], Hashable] = lambda item: None,
-                 rows: Callable[[Any], int] = lambda item: 1) -> None:
+                 rows: Callable[[Any], int] = lambda item: 1,
+                 module: torch.nn.Module | None = None) -> None:
         self.run_batch, self.needs_input = run_batch, needs_input  # (run_batch also warms up)
+        self.module = module  # the network holding its weights (placement logs)
         self.key, self.rows = key, rows
         self.batches = 0
 

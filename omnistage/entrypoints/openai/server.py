@@ -179,6 +179,7 @@ def log_placement(llm) -> None:
     for name, worker in llm.pipeline.workers.items():
         engine = getattr(worker, "engine", None)
         model = engine.runner.model if engine is not None else getattr(worker, "model", None)
+        model = getattr(model, "module", model)  # (gen stages: the network holding weights)
         params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
         weights = sum(p.numel() * p.element_size() for p in params)
         where = f"device={params[0].device} dtype={params[0].dtype}" if params else "device=?"

@@ -86,7 +86,7 @@ def build_vae(ctx: StageContext):
 
     def decode(tokens: Tensor, grid: tuple[int, int]) -> Tensor:
         return vae.decode(unpack(tokens, *grid))
-    return decoder_worker(ctx, decode)
+    return decoder_worker(ctx, decode, vae)
 
 
 @register_pipeline("qwen_image")

@@ -79,7 +79,7 @@ def build_transformer(ctx: StageContext):
 @register_stage("ZImageVAE", "gen")
 def build_vae(ctx: StageContext):
     vae = load_component(AutoencoderKLDecoder, ctx, "vae")
-    return decoder_worker(ctx, lambda latents, grid: vae.decode(latents))
+    return decoder_worker(ctx, lambda latents, grid: vae.decode(latents), vae)
 
 
 @register_pipeline("z_image")
