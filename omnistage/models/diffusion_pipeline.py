@@ -118,10 +118,12 @@ def example_mask(rows: int, text_len: int, padded: bool, device: torch.device) -
 
 def denoiser_worker(ctx: StageContext, network: Any) -> GenStageWorker:
     """The denoising stage; on CUDA its blocks are compiled and warmed up while it is built
-    (constructor keyword `dit_compile=False`: eager)."""
+    (constructor keyword `dit_compile=False`: eager); `step_cache=0.1` turns the first-block
+    cache on at that threshold (engine/gen/diffusion.py Denoiser; off by default)."""
     compile_blocks = ctx.options.get("dit_compile")
     compile_blocks = ctx.device.type == "cuda" if compile_blocks is None else compile_blocks
-    denoiser = Denoiser(network, ctx.device, ctx.dtype, compile=compile_blocks)
+    denoiser = Denoiser(network, ctx.device, ctx.dtype, compile=compile_blocks,
+                        step_cache=ctx.options.get("step_cache"))
     return GenStageWorker(ctx.name, denoiser, ctx.device,
                           GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False,
                                           preempt_parts=0, warmup=compile_blocks))
@@ -187,9 +189,15 @@ class ImagePipeline:
         if dit_compile not in (None, True, False):
             raise ValueError(f"dit_compile: true, false or None (on for CUDA), got "
                              f"{dit_compile!r}")
+        step_cache = options.pop("step_cache", None)
+        if step_cache is not None and (isinstance(step_cache, bool) or not isinstance(
+                step_cache, (int, float)) or not 0 < step_cache <= 1):
+            raise ValueError(f"step_cache: a threshold in (0, 1] or None (off), got "
+                             f"{step_cache!r}")
         if options:
             raise ValueError(f"engine options: {sorted(options)} do not apply to {self.family} "
-                             "(an image pipeline takes device, dtype, load_format, dit_compile)")
+                             "(an image pipeline takes device, dtype, load_format, dit_compile, "
+                             "step_cache)")
         self.path, self.config, self.model_index = Path(path), pipeline, config
         if [s.kind for s in pipeline.stages] != ["gen", "gen", "gen"]:
             raise ValueError(f"pipeline: {self.family} runs three gen stages (text encoder, "
@@ -204,7 +212,8 @@ class ImagePipeline:
         self.max_model_len = self.max_sequence_length
         self.workers, self.process_stages = build_stages(
             path, config, pipeline, pipeline.stages, device, dtype,
-            {**load, "dit_compile": dit_compile, "stage_worker": None})
+            {**load, "dit_compile": dit_compile, "step_cache": step_cache,
+             "stage_worker": None})
         if device.type == "cuda":
             self._warm_up()
 

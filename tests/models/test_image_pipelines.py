@@ -214,3 +214,29 @@ def test_async_reports_progress(checkpoints):
     assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert outs[-1].finished and outs[-1].error is None and len(outs[-1].images) == 2
     assert all(not o.images for o in outs[:-1])
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "z_image"])
+def test_first_block_split_equals_predict(engines, family):
+    """The step cache's split (first -> rest on some rows -> finish) equals predict, padded
+    texts and a row subset in another order included."""
+    network = engines[family].pipeline.workers["dit"].model.network
+    latents, t, text, mask, grid = network.example(3, 9, 64, True)
+    t = torch.tensor([900.0, 500.0, 100.0])
+    want = network.predict(latents, t, text, mask, grid)
+    state, probe = network.first(latents, t, text, mask, grid)
+    assert probe.abs().mean() > 0
+    torch.testing.assert_close(network.finish(state, network.rest(state, None)), want)
+    rows = torch.tensor([2, 0])
+    full = network.rest(state, None)
+    torch.testing.assert_close(network.rest(state, rows), full[rows])
+
+
+def test_step_cache_option(checkpoints):
+    with pytest.raises(ValueError, match="step_cache"):
+        OmniLLM(model=str(checkpoints["qwen_image"]), device="cpu", step_cache=2.0)
+    llm = OmniLLM(model=str(checkpoints["qwen_image"]), device="cpu", step_cache=1e-9)
+    p = DiffusionParams(64, 48, 3, seed=4)
+    assert_close(ours(llm, "a lighthouse", p), reference("qwen_image", checkpoints["qwen_image"],
+                                                         "a lighthouse", p))
+    llm.shutdown()

@@ -41,6 +41,17 @@ class DiffusionTransformer(Protocol):
     def compile(self) -> None:
         """torch.compile its blocks (the engine then warms them up: `example`)."""
 
+    def first(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
+              grid: tuple[int, ...]) -> tuple[Any, Tensor]:
+        """predict() split for the step cache: embeddings and the first block -> (state, the
+        first block's change of the image tokens [R, ...] (the probe))."""
+
+    def rest(self, state: Any, rows: Tensor | None) -> Tensor:
+        """The later blocks' change of the image tokens for `rows` (None: all) of the batch."""
+
+    def finish(self, state: Any, residual: Tensor) -> Tensor:
+        """The velocity from the first block's state plus the later blocks' change."""
+
     def example(self, rows: int, text_len: int, size: int, padded: bool) -> tuple:
         """predict()'s arguments for `rows` random rows of a size x size image (warm-up);
         padded: a text mask whose rows have different lengths."""
@@ -70,6 +81,12 @@ class DenoiseState(GenRequest):
     text: Tensor | None = None  # [T, D] the prompt's embeddings (once the encoder sent them)
     negative: Tensor | None = None  # [T', D] the negative prompt's (when CFG runs)
 
+    # step cache: the first block's change (probe) and the later blocks' change (residual) of
+    # its rows at its last fully computed step, and the steps it reused them
+    probe: Tensor | None = None
+    residual: Tensor | None = None
+    cached_steps: int = 0
+
     def uses_cfg(self) -> bool:
         return self.request.guidance[self.step] > 0
 
@@ -95,13 +112,20 @@ WARMUP_SHAPES = ((1, 16, 1024, False), (2, 23, 768, False), (1, 31, 512, False),
 class Denoiser:
     """The GenModel of a denoising stage (see the module note). compile: torch.compile the
     network's blocks (CUDA), compiled by warmup() when the worker is built, so no request
-    waits for a compile."""
+    waits for a compile.
+
+    step_cache (first-block cache; None: off): every row runs the first block; a request whose
+    first-block change differs from the one of its last fully computed step by less than this
+    relative L1 distance skips the later blocks and reuses their change from that step."""
 
     streaming = True
 
     def __init__(self, network: DiffusionTransformer, device: torch.device,
-                 dtype: torch.dtype, compile: bool = False) -> None:
+                 dtype: torch.dtype, compile: bool = False,
+                 step_cache: float | None = None) -> None:
         self.network, self.device, self.dtype = network, device, dtype
+        self.step_cache = step_cache
+        self.cached_rows = 0
         self.module = network.dit
         self.compiled = compile
         if compile:
@@ -152,8 +176,11 @@ class Denoiser:
         t = torch.tensor([s.request.timesteps[s.step] for s in batch for _ in s.latents]
                          + [s.request.timesteps[s.step] for s in cfg for _ in s.latents],
                          dtype=torch.float32).to(self.device, non_blocking=True)
-        velocity = self.network.predict(latents.to(self.dtype), t, text, mask,
-                                        batch[0].request.grid).float()
+        args = (latents.to(self.dtype), t, text, mask, batch[0].request.grid)
+        if self.step_cache is None:
+            velocity = self.network.predict(*args).float()
+        else:
+            velocity = self._predict_cached(batch, cfg, args).float()
         self.steps += 1
         self.rows += latents.shape[0]
         outputs, row, uncond_row = [], 0, sum(len(s.latents) for s in batch)
@@ -172,6 +199,46 @@ class Denoiser:
                 fields["payload"] = (s.latents, req.grid)  # to the decoder stage
             outputs.append(fields)
         return outputs
+
+    def _predict_cached(self, batch: Sequence[DenoiseState], cfg: Sequence[DenoiseState],
+                        args: tuple) -> Tensor:
+        """predict() with the first-block cache (see the class note)."""
+        state, probe = self.network.first(*args)
+        rows: list[list[int]] = []  # each request's rows: its cond rows, then its uncond rows
+        at, uncond_at = 0, sum(len(s.latents) for s in batch)
+        guided = {id(s) for s in cfg}
+        for s in batch:
+            n = len(s.latents)
+            own = list(range(at, at + n))
+            at += n
+            if id(s) in guided:
+                own += range(uncond_at, uncond_at + n)
+                uncond_at += n
+            rows.append(own)
+        index = [torch.tensor(r, device=probe.device) for r in rows]
+        comparable = [s.probe is not None and s.probe.shape == probe[i].shape
+                      for s, i in zip(batch, index)]
+        distances = [((probe[i] - s.probe).abs().mean() / s.probe.abs().mean()) if ok else None
+                     for s, i, ok in zip(batch, index, comparable)]
+        known = [d for d in distances if d is not None]
+        values = iter(torch.stack(known).tolist() if known else [])  # (one host sync)
+        reuse = [d is not None and next(values) < self.step_cache for d in distances]
+        compute = [i for i, r in zip(index, reuse) if not r]
+        if len(compute) == len(batch):
+            residual = self.network.rest(state, None)
+        else:
+            residual = torch.empty_like(probe)
+            if compute:
+                computed_rows = torch.cat(compute)
+                residual[computed_rows] = self.network.rest(state, computed_rows)
+        for s, i, r in zip(batch, index, reuse):
+            if r:
+                residual[i] = s.residual
+                s.cached_steps += 1
+                self.cached_rows += len(i)
+            else:
+                s.probe, s.residual = probe[i], residual[i]
+        return self.network.finish(state, residual)
 
     def begin(self, batch: Sequence[DenoiseState], beside: bool) -> Sequence[DenoiseState]:
         return batch
@@ -201,6 +268,7 @@ class Denoiser:
 
     def stats(self) -> dict[str, float]:
         return {"denoise_steps": self.steps, "denoise_rows": self.rows,
+                "step_cache_reused_rows": self.cached_rows,
                 "warmup_seconds": self.warmup_seconds}
 
 

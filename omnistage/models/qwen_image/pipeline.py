@@ -48,6 +48,19 @@ class QwenImageNetwork:
         combined = uncond + scale * (cond - uncond)
         return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
+    @torch.inference_mode()
+    def first(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
+              grid: tuple[int, ...]) -> tuple[Any, Tensor]:
+        return self.dit.first(latents, timesteps / 1000, text, text_mask, grid)
+
+    @torch.inference_mode()
+    def rest(self, state: Any, rows: Tensor | None) -> Tensor:
+        return self.dit.rest(state, rows)
+
+    @torch.inference_mode()
+    def finish(self, state: Any, residual: Tensor) -> Tensor:
+        return self.dit.finish(state, residual)
+
     def compile(self) -> None:
         self.dit.compile_blocks()
 

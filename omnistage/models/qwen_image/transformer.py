@@ -375,20 +375,64 @@ class QwenImageTransformer(nn.Module):
         per row); text [B, T, joint_attention_dim]; text_mask [B, T] bool (True = real token,
         padding at the end) or None (all real); grid (h, w) = (H//16, W//16).
         Returns the velocity [B, L, out_channels * patch^2] in the module's dtype."""
+        state, _ = self.first(latents, timestep, text, text_mask, grid)
+        return self.finish(state, self.rest(state))
+
+    # NOTE: forward = first -> rest -> finish, so a step cache (engine/gen/diffusion.py) can
+    # run the first block for every row and the other blocks only for rows whose first-block
+    # change is large, reusing the others' residual of the later blocks
+    def first(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+              text_mask: torch.Tensor | None, grid: tuple[int, int]
+              ) -> tuple[FirstBlockState, torch.Tensor]:
+        """Embeddings and block 0: (the state rest/finish continue from, the image stream's
+        change by block 0 [B, L, D] (the cache's probe))."""
         self._check_inputs(latents, timestep, text, text_mask, grid)
         dtype = self.img_in.weight.dtype
         img = self.img_in(latents.to(dtype))
         txt = self.txt_in(_rms_norm(text.to(dtype), self.txt_norm.weight))
         temb_act = F.silu(self.time_embedding(timestep, dtype))
         rope = self.rope_table((int(grid[0]), int(grid[1])), text.shape[1], latents.device)
-        groups = None
+        lengths = None
         if text_mask is not None and not bool(text_mask.all()):  # (one host sync per step)
-            lengths = text_mask.sum(dim=1).tolist()
-            groups = [(torch.tensor([i for i, n in enumerate(lengths) if n == length],
-                                    device=latents.device), int(length))
-                      for length in sorted(set(lengths))]
-        last = len(self.transformer_blocks) - 1
-        for index, block in enumerate(self.transformer_blocks):
-            img, txt = block(img, txt, temb_act, rope, groups, text_out=index < last)
-        scale, shift = self.norm_out(temb_act)[:, None].chunk(2, dim=-1)
-        return self.proj_out(_layer_norm(img) * (1 + scale) + shift)
+            lengths = [int(n) for n in text_mask.sum(dim=1).tolist()]
+        last = len(self.transformer_blocks) == 1
+        img1, txt1 = self.transformer_blocks[0](img, txt, temb_act, rope,
+                                                _groups(lengths, latents.device),
+                                                text_out=not last)
+        return FirstBlockState(img1, txt1, temb_act, rope, lengths), img1 - img
+
+    def rest(self, state: FirstBlockState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks 1.. on `rows` of the batch (None: all): their image stream's change [r, L, D]."""
+        img, txt, temb_act, lengths = state.img, state.txt, state.temb_act, state.lengths
+        if rows is not None:
+            img, txt, temb_act = img[rows], txt[rows], temb_act[rows]
+            lengths = None if lengths is None else [lengths[i] for i in rows.tolist()]
+        start, last = img, len(self.transformer_blocks) - 1
+        groups = _groups(lengths, img.device)
+        for index in range(1, last + 1):
+            img, txt = self.transformer_blocks[index](img, txt, temb_act, state.rope, groups,
+                                                      text_out=index < last)
+        return img - start
+
+    def finish(self, state: FirstBlockState, residual: torch.Tensor) -> torch.Tensor:
+        """The output from block 0's image stream plus the later blocks' change."""
+        scale, shift = self.norm_out(state.temb_act)[:, None].chunk(2, dim=-1)
+        return self.proj_out(_layer_norm(state.img + residual) * (1 + scale) + shift)
+
+
+@dataclass
+class FirstBlockState:
+    img: torch.Tensor
+    txt: torch.Tensor
+    temb_act: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    lengths: list[int] | None  # real text length per row (None: no padding)
+
+
+def _groups(lengths: list[int] | None, device: torch.device | None = None
+            ) -> list[tuple[torch.Tensor, int]] | None:
+    """(rows, length) per distinct real text length (None when no row is padded)."""
+    if lengths is None:
+        return None
+    return [(torch.tensor([i for i, n in enumerate(lengths) if n == length], device=device),
+             length) for length in sorted(set(lengths))]

@@ -53,6 +53,19 @@ class ZImageNetwork:
             guided = torch.where(norm > limit, guided * (limit / norm), guided)
         return guided
 
+    @torch.inference_mode()
+    def first(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
+              grid: tuple[int, ...]) -> tuple[Any, Tensor]:
+        return self.dit.first(latents, (1000 - timesteps) / 1000, text, text_mask)
+
+    @torch.inference_mode()
+    def rest(self, state: Any, rows: Tensor | None) -> Tensor:
+        return self.dit.rest(state, rows)
+
+    @torch.inference_mode()
+    def finish(self, state: Any, residual: Tensor) -> Tensor:
+        return -self.dit.finish(state, residual)
+
     def compile(self) -> None:
         self.dit.compile_blocks()
 

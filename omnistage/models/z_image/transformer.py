@@ -340,12 +340,22 @@ class ZImageTransformer(nn.Module):
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
                 text_mask: torch.Tensor | None) -> torch.Tensor:
+        """See first() for the arguments; returns diffusers' output [B, C, h, w]."""
+        state, _ = self.first(latents, timestep, text, text_mask)
+        return self.finish(state, self.rest(state))
+
+    # NOTE: forward = first -> rest -> finish, so a step cache (engine/gen/diffusion.py) can
+    # run the first main layer for every row and the others only for rows whose first-layer
+    # change is large, reusing the others' residual of the later layers
+    def first(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+              text_mask: torch.Tensor | None) -> tuple[FirstBlockState, torch.Tensor]:
         """latents: [B, C, h, w] (one size for the batch); timestep: [B] float, diffusers'
         `(1000 - t) / 1000`; text: [B, T, cap_feat_dim] caption features padded at the end;
         text_mask: [B, T] bool, True at real tokens (a prefix of each row; an empty row gives
-        diffusers' output for an empty caption), or None when all are real. Returns
-        [B, C, h, w] in the latents' dtype; the model runs in its parameters' dtype. No host
-        syncs; shapes alone pick the cached rope parts."""
+        diffusers' output for an empty caption), or None when all are real. Returns (the state
+        after main layer 0, the image tokens' change by it [B, N, dim]: the cache's probe); the
+        model runs in its parameters' dtype. No host syncs; shapes alone pick the cached rope
+        parts."""
         self._check_inputs(latents, timestep, text, text_mask)
         cfg, p, device = self.cfg, self.cfg.patch_size, latents.device
         dtype = self.x_pad_token.dtype
@@ -390,9 +400,42 @@ class ZImageTransformer(nn.Module):
         sin = torch.cat([x_sin, cap_sin.expand(b, -1, -1)], dim=1)
         mask = None if cap_keys is None else torch.cat(
             [cap_keys.new_ones(b, n_pad), cap_keys], dim=1)[:, None, None, :]
-        for layer in self.layers:
-            seq = layer(seq, cos, sin, mask, adaln)
+        seq1 = self.layers[0](seq, cos, sin, mask, adaln)
+        state = FirstBlockState(seq1, cos, sin, mask, adaln, n, tuple(latents.shape),
+                                latents.dtype)
+        return state, (seq1 - seq)[:, :n]
 
-        out = self.all_final_layer[self._patch_key](seq[:, :n], adaln)  # [B, N, p*p*C]
-        out = out.view(b, ht, wt, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
-        return out.to(latents.dtype)
+    def rest(self, state: FirstBlockState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Main layers 1.. on `rows` of the batch (None: all): the image tokens' change
+        [r, N, dim]."""
+        seq, cos, sin, mask, adaln = state.seq, state.cos, state.sin, state.mask, state.adaln
+        if rows is not None:
+            seq, cos, sin, adaln = seq[rows], cos[rows], sin[rows], adaln[rows]
+            mask = None if mask is None else mask[rows]
+        start = seq
+        for layer in self.layers[1:]:
+            seq = layer(seq, cos, sin, mask, adaln)
+        return (seq - start)[:, :state.image_tokens]
+
+    def finish(self, state: FirstBlockState, residual: torch.Tensor) -> torch.Tensor:
+        """The output [B, C, h, w] from layer 0's image tokens plus the later layers' change."""
+        b, c, h, w = state.shape
+        p = self.cfg.patch_size
+        out = self.all_final_layer[self._patch_key](
+            state.seq[:, :state.image_tokens] + residual, state.adaln)  # [B, N, p*p*C]
+        out = out.view(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
+        return out.to(state.dtype)
+
+
+@dataclass
+class FirstBlockState:
+    """What the main layers after the first continue from (see ZImageTransformer.first)."""
+
+    seq: torch.Tensor  # [B, S, dim] after main layer 0
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    adaln: torch.Tensor
+    image_tokens: int  # N: the image patches at the front of seq
+    shape: tuple[int, ...]  # the latents' [B, C, h, w]
+    dtype: torch.dtype
