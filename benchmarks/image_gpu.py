@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.common import sync, write_result
@@ -170,12 +171,13 @@ def run_diffusers(family: str, path: Path, args, device: str) -> dict:
     return out
 
 
-def run_ours(family: str, path: Path, args, device: str) -> dict:
+def run_ours(family: str, path: Path, args, device: str, step_cache: float | None = None,
+             concurrency: list[int] | None = None) -> dict:
     from omnistage import DiffusionParams, OmniLLM
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    llm = OmniLLM(model=str(path), device=device,
+    llm = OmniLLM(model=str(path), device=device, step_cache=step_cache,
                   load_format="safetensors" if args.tiny else "dummy")
     out: dict = {"build_seconds": round(time.perf_counter() - t, 2)}
 
@@ -185,6 +187,8 @@ def run_ours(family: str, path: Path, args, device: str) -> dict:
         return DiffusionParams(args.size, args.size, args.steps, seed=i,
                                **{k: v for k, v in cfg.items() if v is not None})
 
+    images: list = []
+
     def batch(n: int) -> float:
         sync()
         t = time.perf_counter()
@@ -193,13 +197,15 @@ def run_ours(family: str, path: Path, args, device: str) -> dict:
         bad = [o.error for o in outs if o.error]
         if bad:
             raise RuntimeError(f"requests failed: {bad[:2]}")
+        images[:] = [np.asarray(o.images[0], dtype=np.float64) for o in outs]
         return time.perf_counter() - t
 
     out["first_request_seconds"] = round(batch(1), 3)
     warm = [batch(1) for _ in range(args.warm_reps)]
     out["c1"] = {"seconds": round(sorted(warm)[len(warm) // 2], 3)}
     out["first_over_warm"] = round(out["first_request_seconds"] / out["c1"]["seconds"], 3)
-    for n in args.concurrency:
+    out["images"] = list(images)  # (the warm c1 image, for the step cache's PSNR)
+    for n in args.concurrency if concurrency is None else concurrency:
         seconds = batch(n)
         out[f"c{n}"] = {"seconds": round(seconds, 3),
                         "images_per_minute": round(60 * n / seconds, 2)}
@@ -222,6 +228,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="4,8")
     ap.add_argument("--warm-reps", type=int, default=1)
     ap.add_argument("--reference", choices=["diffusers", "none"], default="diffusers")
+    ap.add_argument("--step-cache", type=float, default=None,
+                    help="also run c1 with the first-block cache at this threshold")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -244,6 +252,15 @@ def main() -> None:
             result["config"]["diffusers"] = diffusers.__version__
             result["diffusers"] = run_diffusers(args.family, path, args, device)
         result["omnistage"] = run_ours(args.family, path, args, device)
+        plain = result["omnistage"].pop("images")
+        if args.step_cache is not None:  # the same c1 request with the cache, its PSNR
+            cached = run_ours(args.family, path, args, device, args.step_cache, [])
+            mse = float(np.mean((cached.pop("images")[0] - plain[0]) ** 2))
+            cached["psnr_vs_no_cache_db"] = (round(10 * np.log10(255**2 / mse), 2) if mse
+                                             else "identical")
+            cached["c1_speedup_vs_no_cache"] = round(
+                result["omnistage"]["c1"]["seconds"] / cached["c1"]["seconds"], 3)
+            result["omnistage_step_cache"] = cached
         if args.reference == "diffusers":
             ours, ref = result["omnistage"], result["diffusers"]
             result["ratios"] = {"c1_time_vs_diffusers": round(
