@@ -108,6 +108,44 @@ def encoder_worker(ctx: StageContext, encode: Any, drop: int = 0) -> GenStageWor
                           GenEngineConfig(max_batch=DENOISE_MAX_ROWS, first_output_alone=False))
 
 
+class DiTNetwork:
+    """A family's DiT as the engine's DiffusionTransformer (engine/gen/diffusion.py): the
+    forward, its first-block split and compile go to the module (which takes `dit_inputs`'
+    arguments); `sign` flips a model that predicts the negated velocity. A family gives
+    dit_inputs, guide and example."""
+
+    sign = 1.0
+
+    def __init__(self, dit: torch.nn.Module) -> None:
+        self.dit = dit
+
+    def dit_inputs(self, latents: Tensor, timesteps: Tensor, text: Tensor,
+                   text_mask: Tensor | None, grid: tuple[int, ...]) -> tuple:
+        """The module's arguments for the scheduler's t (0..1000) (its own time convention)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def predict(self, *args: Any) -> Tensor:
+        out = self.dit(*self.dit_inputs(*args))
+        return out if self.sign > 0 else -out
+
+    @torch.inference_mode()
+    def first(self, *args: Any) -> tuple[Any, Tensor]:
+        return self.dit.first(*self.dit_inputs(*args))
+
+    @torch.inference_mode()
+    def rest(self, state: Any, rows: Tensor | None) -> Tensor:
+        return self.dit.rest(state, rows)
+
+    @torch.inference_mode()
+    def finish(self, state: Any, residual: Tensor) -> Tensor:
+        out = self.dit.finish(state, residual)
+        return out if self.sign > 0 else -out
+
+    def compile(self) -> None:
+        self.dit.compile_blocks()
+
+
 def example_mask(rows: int, text_len: int, padded: bool, device: torch.device) -> Tensor | None:
     """A warm-up text mask: row i holds text_len - i real tokens (None: unpadded)."""
     if not padded:

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omnistage.models.diffusion_pipeline import (ImagePipeline, decoder_worker, denoiser_worker,
-                                                 encoder_worker, example_mask, load_component)
+from omnistage.models.diffusion_pipeline import (DiTNetwork, ImagePipeline, decoder_worker,
+                                                 denoiser_worker, encoder_worker, example_mask,
+                                                 load_component)
 from omnistage.models.qwen_image.transformer import QwenImageTransformer
 from omnistage.models.qwen_image.vae import QwenImageVAEDecoder
 from omnistage.models.registry import register_pipeline, register_stage
@@ -32,37 +33,17 @@ TOKENIZER_MAX = 1024  # diffusers' tokenizer_max_length (+ the dropped positions
 DEFAULT_TRUE_CFG = 4.0  # diffusers' __call__ default
 
 
-class QwenImageNetwork:
-    """The denoiser the engine drives (engine/gen/diffusion.py DiffusionTransformer)."""
+class QwenImageNetwork(DiTNetwork):
+    """The denoiser the engine drives: the DiT takes t/1000 and the grid."""
 
-    def __init__(self, dit: QwenImageTransformer) -> None:
-        self.dit = dit
-
-    @torch.inference_mode()
-    def predict(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
-                grid: tuple[int, ...]) -> Tensor:
-        return self.dit(latents, timesteps / 1000, text, text_mask, grid)
+    def dit_inputs(self, latents: Tensor, timesteps: Tensor, text: Tensor,
+                   text_mask: Tensor | None, grid: tuple[int, ...]) -> tuple:
+        return latents, timesteps / 1000, text, text_mask, grid
 
     def guide(self, cond: Tensor, uncond: Tensor, scale: float, options: dict[str, Any]
               ) -> Tensor:
         combined = uncond + scale * (cond - uncond)
         return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
-
-    @torch.inference_mode()
-    def first(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
-              grid: tuple[int, ...]) -> tuple[Any, Tensor]:
-        return self.dit.first(latents, timesteps / 1000, text, text_mask, grid)
-
-    @torch.inference_mode()
-    def rest(self, state: Any, rows: Tensor | None) -> Tensor:
-        return self.dit.rest(state, rows)
-
-    @torch.inference_mode()
-    def finish(self, state: Any, residual: Tensor) -> Tensor:
-        return self.dit.finish(state, residual)
-
-    def compile(self) -> None:
-        self.dit.compile_blocks()
 
     def example(self, rows: int, text_len: int, size: int, padded: bool) -> tuple:
         w = self.dit.img_in.weight

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from omnistage.models.autoencoder_kl import AutoencoderKLDecoder
-from omnistage.models.diffusion_pipeline import (ImagePipeline, decoder_worker, denoiser_worker,
-                                                 encoder_worker, example_mask, load_component)
+from omnistage.models.diffusion_pipeline import (DiTNetwork, ImagePipeline, decoder_worker,
+                                                 denoiser_worker, encoder_worker, example_mask,
+                                                 load_component)
 from omnistage.models.registry import register_pipeline, register_stage
 from omnistage.models.text_encoder import CausalTextEncoder
 from omnistage.models.z_image.transformer import ZImageTransformer
@@ -31,16 +32,15 @@ TURBO_STEPS, TURBO_GUIDANCE = 9, 0.0  # Z-Image-Turbo's model card
 CFG_NORMALIZATION, CFG_TRUNCATION = 0.0, 1.0
 
 
-class ZImageNetwork:
-    """The denoiser the engine drives (engine/gen/diffusion.py DiffusionTransformer)."""
+class ZImageNetwork(DiTNetwork):
+    """The denoiser the engine drives: the DiT takes (1000 - t)/1000 and predicts the negated
+    velocity."""
 
-    def __init__(self, dit: ZImageTransformer) -> None:
-        self.dit = dit
+    sign = -1.0
 
-    @torch.inference_mode()
-    def predict(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
-                grid: tuple[int, ...]) -> Tensor:
-        return -self.dit(latents, (1000 - timesteps) / 1000, text, text_mask)
+    def dit_inputs(self, latents: Tensor, timesteps: Tensor, text: Tensor,
+                   text_mask: Tensor | None, grid: tuple[int, ...]) -> tuple:
+        return latents, (1000 - timesteps) / 1000, text, text_mask
 
     def guide(self, cond: Tensor, uncond: Tensor, scale: float, options: dict[str, Any]
               ) -> Tensor:
@@ -52,22 +52,6 @@ class ZImageNetwork:
             norm = guided.norm(dim=dims, keepdim=True)
             guided = torch.where(norm > limit, guided * (limit / norm), guided)
         return guided
-
-    @torch.inference_mode()
-    def first(self, latents: Tensor, timesteps: Tensor, text: Tensor, text_mask: Tensor | None,
-              grid: tuple[int, ...]) -> tuple[Any, Tensor]:
-        return self.dit.first(latents, (1000 - timesteps) / 1000, text, text_mask)
-
-    @torch.inference_mode()
-    def rest(self, state: Any, rows: Tensor | None) -> Tensor:
-        return self.dit.rest(state, rows)
-
-    @torch.inference_mode()
-    def finish(self, state: Any, residual: Tensor) -> Tensor:
-        return -self.dit.finish(state, residual)
-
-    def compile(self) -> None:
-        self.dit.compile_blocks()
 
     def example(self, rows: int, text_len: int, size: int, padded: bool) -> tuple:
         w, cfg = self.dit.x_pad_token, self.dit.cfg
