@@ -31,6 +31,7 @@ from omnistage.runtime.stage import StageEvent, StageLink
 from omnistage.sampling_params import DiffusionParams, SamplingParams
 
 MAX_IMAGES = 8  # per prompt (n): with CFG its rows double, within the denoiser's max_batch
+MEGAPIXEL = 1024 * 1024  # a denoiser row's unit: an image of up to this many pixels counts 1
 DENOISE_MAX_ROWS = 16
 DECODE_MAX_ROWS = 8
 DECODE_PIXELS = 2 * 1024 * 1024  # per VAE call (a 1024x1024 decode peaks at ~5 GB)
@@ -307,6 +308,9 @@ class ImagePipeline:
                              f"{type(p).__name__}")
         p.validate("sampling_params", multiple=self.size_multiple, max_pixels=self.max_pixels,
                    max_side=self.max_side, max_steps=MAX_STEPS, max_images=MAX_IMAGES)
+        if p.num_images * p.height * p.width > MAX_IMAGES * MEGAPIXEL:
+            raise ValueError(f"sampling_params.num_images: {p.num_images} images of "
+                             f"{p.width}x{p.height} exceed {MAX_IMAGES} megapixels per request")
         steps = p.num_inference_steps or self.default_steps
         seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**63 - 1))
         sigmas, timesteps = self.schedule.sigmas(steps, self.image_seq_len(p.height, p.width))
@@ -317,7 +321,8 @@ class ImagePipeline:
         te, dit, vae = self.stage_names
         return RuntimeRequest(
             request_id=new_request_id(index), path=[te, dit, vae],
-            stage_requests={te: encode, dit: DenoiseRequest(noise, sigmas, timesteps, guidance,
-                                                            grid, options), vae: None},
+            stage_requests={te: encode, dit: DenoiseRequest(
+                noise, sigmas, timesteps, guidance, grid, -(-p.height * p.width // MEGAPIXEL),
+                options), vae: None},
             text_stage=te, image_stage=vae, seed=seed, progress_total=steps,
             links=[StageLink(te, dit, PayloadLink()), StageLink(dit, vae, PayloadLink())])

@@ -240,3 +240,9 @@ def test_step_cache_option(checkpoints):
     assert_close(ours(llm, "a lighthouse", p), reference("qwen_image", checkpoints["qwen_image"],
                                                          "a lighthouse", p))
     llm.shutdown()
+
+
+def test_megapixels_per_request_are_bounded(engines):
+    """n x size is bounded (8 megapixels): 8 images of 2048x2048 would not fit a step."""
+    with pytest.raises(ValueError, match="sampling_params.num_images"):
+        engines["z_image"].generate("x", DiffusionParams(2048, 2048, num_images=3))

@@ -66,6 +66,7 @@ class DenoiseRequest:
     timesteps: list[float]  # num_steps: the scheduler's t per step
     guidance: list[float]  # per step: the CFG scale, 0 = no uncond rows at that step
     grid: tuple[int, ...] = ()  # the family's size key (e.g. latent patches h, w): one per batch
+    row_weight: int = 1  # what one image row counts against max_batch (larger images: more)
     options: dict[str, Any] = field(default_factory=dict)  # the family's guide() options
 
     @property
@@ -157,7 +158,8 @@ class Denoiser:
         return state.request.grid, tuple(state.latents.shape[1:])
 
     def batch_rows(self, state: DenoiseState) -> int:
-        return state.latents.shape[0] * (2 if self.ready(state) and state.uses_cfg() else 1)
+        cfg = 2 if self.ready(state) and state.uses_cfg() else 1
+        return state.latents.shape[0] * cfg * state.request.row_weight
 
     def is_held(self, batch: Sequence[DenoiseState]) -> bool:
         return False
