@@ -6,13 +6,28 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
+# the bounds of every numeric field, shared by the HTTP models and the pipeline YAML: seeds are
+# int64 (torch.Generator and the sampler's seed tensor), counts fit int32, float fields stay
+# finite and meaningful in the sampler's float32 rows
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+
+
+def stage_seed(seed: int, offset: int) -> int:
+    """The seed of the stage `offset` stages after one seeded with `seed` (a pipeline seeds its
+    stages s, s+1, s+2): `seed + offset` wrapped modulo 2^64 into int64 [-2^63, 2^63-1], so
+    2^63-1 + 1 is -2^63. torch.Generator and the sampler read seeds modulo 2^64, so the wrap
+    changes no draw; it keeps every derived seed in range for them."""
+    return (seed + offset - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 @dataclass
 class SamplingParams:
-    """temperature 0 = greedy. top_k <= 0 = off. Penalties follow transformers (repetition: prompt +
-    output ids, divide positive / multiply negative logits) and vLLM/OpenAI (presence, frequency:
-    output ids only)."""
+    """temperature 0 = greedy. top_k <= 0 = off (-1 or 0). Penalties follow transformers
+    (repetition: prompt + output ids, divide positive / multiply negative logits) and
+    vLLM/OpenAI (presence, frequency: output ids only). validate() gives each field's bounds."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,42 +75,48 @@ class SamplingParams:
                 raise bad(name, "must be finite")
             return float(value)
 
-        def integer(name: str, value: object) -> int:
+        def integer(name: str, value: object, low: int, high: int) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, f"must be an integer, got {type(value).__name__}")
+            if not low <= value <= high:
+                raise bad(name, f"must be in [{low}, {high}], got {value}")
             return value
 
-        if number("temperature", self.temperature) < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= number("temperature", self.temperature) <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
         if not 0 < number("top_p", self.top_p) <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        integer("top_k", self.top_k)
+        integer("top_k", self.top_k, -1, INT32_MAX)
         if not 0 <= number("min_p", self.min_p) <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0 < number("repetition_penalty", self.repetition_penalty) \
+                <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}], got "
+                      f"{self.repetition_penalty}")
         if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) <= 0:
-            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if integer("min_tokens", self.min_tokens) < 0:
-            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1, INT32_MAX)
+        integer("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if self.seed is not None:
-            integer("seed", self.seed)
+            integer("seed", self.seed, INT64_MIN, INT64_MAX)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
                 raise bad(f"stop[{i}]",
                           f"must be a non-empty string of <= {MAX_STOP_STRING_LEN} chars")
-        for i, t in enumerate(self.stop_token_ids + self.suppress_token_ids):
-            integer(f"stop_token_ids[{i}]", t)
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise bad(f"stop_token_ids[{i}]", f"token id {t} outside the vocabulary")
+        top_id = INT64_MAX if vocab_size is None else vocab_size - 1
+        for name in ("stop_token_ids", "suppress_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, list):
+                raise bad(name, f"must be a list of token ids, got {type(ids).__name__}")
+            for i, t in enumerate(ids):  # the range: ids inside the vocabulary
+                integer(f"{name}[{i}]", t, 0, top_id)
 
 
 @dataclass

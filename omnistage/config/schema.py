@@ -10,7 +10,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import (INT32_MAX, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
+                                       SamplingParams)
 
 BUILTIN_DIR = Path(__file__).parent / "pipelines"
 
@@ -50,17 +51,18 @@ class StageInput(_Strict):
 
 
 class SamplingDefaults(_Strict):
-    """A stage's default sampling (SamplingParams fields)."""
+    """A stage's default sampling (SamplingParams fields, with SamplingParams.validate's bounds:
+    a bad value fails where the YAML or HTTP body is read, naming its field)."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # <= 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
 
     def apply(self, base: SamplingParams) -> SamplingParams:
         values = {k: v for k, v in self.model_dump().items() if v is not None}

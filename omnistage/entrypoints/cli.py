@@ -191,7 +191,8 @@ def cmd_serve(args) -> int:
         logging.getLogger("omnistage.server").info(
             "serving the embedded tiny random %s %r (noise, for trying out)", family, model)
         model = str(build())
-    llm = AsyncOmniLLM(model, request_timeout=args.request_timeout, **_engine_kwargs(args))
+    llm = AsyncOmniLLM(model, request_timeout=args.request_timeout,
+                       prepare_workers=args.prepare_workers, **_engine_kwargs(args))
     run_server(llm, config, args.host, args.port, log_level=args.log_level,
                access_log=args.access_log)
     return 0
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-audio-seconds", type=float, default=300.0,
                    help="longest input audio part")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    s.add_argument("--prepare-workers", type=int, default=4, help="threads that prepare "
+                   "requests (tokenising, media decoding) off the event loop")
     s.add_argument("--allow-remote-media", action="store_true",
                    help="fetch http(s) image_url / video_url (off: data URLs only)")
     s.add_argument("--allow-local-media", action="store_true",

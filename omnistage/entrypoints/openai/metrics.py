@@ -1,10 +1,13 @@
 """Prometheus metrics of the server (`GET /metrics`).
 
-Counters and histograms are updated as requests finish; per-stage gauges (queue depth, running
+Every HTTP request is counted once, with its status, by the RequestCounter middleware; the
+other counters and histograms are updated as requests finish; per-stage gauges (queue depth, running
 requests, batch size, KV blocks) are read from the runtime's `stats()` at scrape time, so they
 are never stale. Each server has its own registry (several apps can live in one process)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -69,8 +72,11 @@ class ServerMetrics:
     def __init__(self, llm, in_flight) -> None:
         """`in_flight`: a callable giving the number of generation requests in flight."""
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("omnistage_http_requests", "Generation requests by endpoint and "
-                                "outcome", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "omnistage_http_requests", "HTTP requests (all but /health and /metrics) by endpoint "
+            "and status: 'ok' (answered 200 in full), 'error' (failed after its 200 status line: "
+            "a stream's error event), else the HTTP status code ('400', '429', '499': the client "
+            "went away, '500', ...)", ["endpoint", "status"], registry=r)
         self.aborted = Counter("omnistage_requests_aborted", "Requests aborted because the "
                                "client went away", ["endpoint"], registry=r)
         self.rejected = Counter("omnistage_requests_rejected", "Requests refused with 429 (queue "
@@ -93,8 +99,8 @@ class ServerMetrics:
         r.register(_RuntimeCollector(llm, in_flight))
 
     def observe_finished(self, endpoint: str, out: OmniRequestOutput) -> None:
-        """Record one finished request (its last output)."""
-        self.requests.labels(endpoint, "error" if out.error else "ok").inc()
+        """Record one finished request (its last output); RequestCounter counts the HTTP
+        request itself."""
         m = out.metrics
         for stage, so in out.stages.items():
             self.stage_requests.labels(stage, so.finish_reason or "none").inc()
@@ -114,3 +120,69 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# ------------------------------------------------------------------ per HTTP request
+# where a handler records how a response with a 200 status line ended, when not in full:
+# "error" (an error event in the stream) or "499" (the client went away)
+OUTCOME_KEY = "omnistage.outcome"
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech",
+              "/v1/images/generations": "images"}
+_UNCOUNTED = {"/health", "/metrics"}  # probes and scrapes
+
+
+def mark_outcome(scope: dict[str, Any] | None, outcome: str) -> None:
+    """Record in a request's ASGI scope how its 200 response ended (see OUTCOME_KEY)."""
+    if scope is not None:
+        scope[OUTCOME_KEY] = outcome
+
+
+def _endpoint(path: str) -> str:
+    if path in _ENDPOINTS:
+        return _ENDPOINTS[path]
+    return "models" if path.startswith("/v1/models") else "other"
+
+
+def _status(code: int | None, outcome: str | None) -> str:
+    if code == 200:
+        return outcome or "ok"
+    if code is None:  # no response started: the client left, or the app failed
+        return outcome or "500"
+    return str(code)
+
+
+class RequestCounter:
+    """Pure ASGI middleware, outermost: counts every HTTP request once, with its status, in
+    `omnistage_http_requests_total`, including those refused before any route runs (401, 413)
+    or by an exception handler (400, 404, 429). Counted as the last body message goes out (a
+    client that reads the response and then scrapes sees it), or when the app returns."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in _UNCOUNTED:
+            return await self.app(scope, receive, send)
+        endpoint = _endpoint(scope["path"])
+        code: int | None = None
+        counted = False
+
+        def count() -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.metrics.requests.labels(endpoint, _status(code, scope.get(OUTCOME_KEY))
+                                             ).inc()
+
+        async def counting_send(message) -> None:
+            nonlocal code
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                count()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            count()

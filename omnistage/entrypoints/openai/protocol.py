@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omnistage.config.schema import SamplingDefaults
+from omnistage.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
 
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 1 << 20
@@ -16,6 +17,12 @@ MAX_SPEECH_CHARS = 4096
 # what soundfile encodes, by OpenAI's response_format / audio.format names
 AUDIO_FORMATS = ("wav", "flac", "pcm", "pcm16", "mp3", "opus", "ogg", "aiff")
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "aiff", "pcm16")
+
+# SamplingParams.validate's bounds, checked where the body is parsed: a 400 naming the field
+# before anything reaches a stage (a seed or count out of int64 would fail the whole stage)
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class _Strict(BaseModel):
@@ -78,9 +85,9 @@ class StageSamplingParams(SamplingDefaults):
     the pipeline YAML's sampling fields plus per-request ones."""
 
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class ChatCompletionRequest(_Strict):
@@ -90,10 +97,10 @@ class ChatCompletionRequest(_Strict):
     audio: AudioOutputParams | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     n: int = 1
@@ -111,7 +118,7 @@ class SpeechRequest(_Strict):
     response_format: Literal[AUDIO_FORMATS] = "wav"
     speed: float = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: int | None = None  # omnistage extension
+    seed: Seed | None = None  # omnistage extension
 
 
 # ------------------------------------------------------------------------- errors

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omnistage.entrypoints.openai.metrics import RequestCounter
 from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                    SpeechRequest, error_body, parse_body)
 from omnistage.entrypoints.openai.protocol_images import ImageGenerationRequest
@@ -167,6 +168,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
                                    request)
 
     app.add_middleware(_Guard, config=config)
+    app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: sees the guard's too
     return app
 
 

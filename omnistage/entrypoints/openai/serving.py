@@ -10,7 +10,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ import soundfile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.entrypoints.openai.metrics import ServerMetrics, mark_outcome
 from omnistage.entrypoints.openai.protocol import APIError, StageSamplingParams
 from omnistage.outputs import OmniRequestOutput
 from omnistage.sampling_params import SamplingParams
@@ -50,6 +50,8 @@ class ServerConfig:
     max_audio_seconds: float = 300.0  # per input audio part
     shutdown_timeout: float = 30.0
     audio_expiry_seconds: int = 3600
+    # requests waiting for or in request preparation (tokenising, media decoding); more get 429
+    max_pending_prepares: int = 64
 
     def validate(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -60,6 +62,9 @@ class ServerConfig:
             raise ValueError(f"max_audio_seconds: must be > 0, got {self.max_audio_seconds}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}")
+        if self.max_pending_prepares < 1:
+            raise ValueError(f"max_pending_prepares: must be >= 1, got "
+                             f"{self.max_pending_prepares}")
 
 
 class ServerState:
@@ -99,16 +104,23 @@ class ServerState:
 
     # ------------------------------------------------------------------ admission
     def acquire(self) -> None:
-        """Take an in-flight slot or refuse: 503 while draining, 429 when full."""
+        """Take an in-flight slot or refuse: 503 while draining, 429 when full (requests in
+        flight, or requests waiting for preparation). The caller must start its preparation
+        (start_request) before it next awaits, so that the count it was admitted on holds."""
         if self.draining:
             raise APIError(503, "the server is shutting down", type_="server_error",
                            code="shutting_down")
         if self.in_flight >= self.config.max_queue:
-            self.metrics.rejected.inc()
-            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in "
-                           "flight); retry later", type_="rate_limit_error",
-                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            self._refuse(f"{self.in_flight} requests in flight")
+        if self.llm.preparing >= self.config.max_pending_prepares:
+            self._refuse(f"{self.llm.preparing} requests waiting for preparation")
         self.in_flight += 1
+
+    def _refuse(self, why: str) -> None:
+        self.metrics.rejected.inc()
+        raise APIError(429, f"the server is at capacity ({why}); retry later",
+                       type_="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": "1"})
 
     def release(self) -> None:
         self.in_flight -= 1
@@ -179,6 +191,7 @@ class RequestStream:
     def __init__(self, gen: AsyncIterator[OmniRequestOutput], request: Request | None,
                  poll: float = 0.25) -> None:
         self.request, self.poll = request, poll
+        self.scope = request.scope if request is not None else None  # (for mark_outcome)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._getter: asyncio.Task | None = None
@@ -223,6 +236,19 @@ class RequestStream:
             return False
         self._task.cancel()
         return not self.finished
+
+
+async def start_request(state: ServerState, request: Request | None, prompt: Any, params: Any,
+                        modalities: list[str] | None, rid: str,
+                        bad_request: Callable[[ValueError], APIError] = value_error
+                        ) -> RequestStream:
+    """Prepare the request on the engine's preparation pool (off the event loop; a ValueError
+    becomes `bad_request(e)`, a 400), then run it in a RequestStream watching `request`."""
+    try:
+        req = await state.llm.prepare(prompt, params, modalities, request_id=rid)
+    except ValueError as e:
+        raise bad_request(e) from e
+    return RequestStream(state.llm.run(req), request)
 
 
 async def first_output(stream: RequestStream) -> OmniRequestOutput:
@@ -276,6 +302,7 @@ def close_stream(state: ServerState, stream: RequestStream, rid: str, endpoint: 
     away), and give its queue slot back."""
     if stream.cancel():
         state.metrics.aborted.labels(endpoint).inc()
+        mark_outcome(stream.scope, "499")
         log.info("%s: aborted, the client disconnected", rid)
     state.release()
 

@@ -18,6 +18,7 @@ import soundfile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omnistage.entrypoints.openai.metrics import mark_outcome
 from omnistage.entrypoints.openai.protocol import (AudioOutputParams, ChatCompletionRequest,
                                                    ChatMessage, ImageURLPart, InputAudioPart,
                                                    TextPart, APIError, VideoURLPart)
@@ -26,7 +27,8 @@ from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingRe
                                                   release_unless_handed_over,
                                                   RequestStream, ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
-                                                  runtime_error, seconds, sse, to_pcm16, usage)
+                                                  runtime_error, seconds, sse, start_request,
+                                                  to_pcm16, usage)
 from omnistage.outputs import OmniRequestOutput
 
 PCM16_INPUT_RATE = 24000  # OpenAI's pcm16: raw int16 little-endian mono at 24 kHz
@@ -71,8 +73,7 @@ class OpenAIServingChat:
         stream = None
         handed_over = False
         try:
-            stream = RequestStream(st.llm.generate(prompt, params, modalities, request_id=rid),
-                                   request)
+            stream = await start_request(st, request, prompt, params, modalities, rid)
             first = await first_output(stream)
             log.info("%s: chat stream=%s modalities=%s voice=%s prompt_tokens=%d", rid,
                      body.stream, modalities, voice, len(first.prompt_token_ids))
@@ -218,6 +219,7 @@ class OpenAIServingChat:
                 if out.error:
                     err = runtime_error(out.error, produced=bool(out.token_ids))
                     self._finished(out, ctx)
+                    mark_outcome(stream.scope, "error")
                     yield sse(err.body())
                     break
                 for delta in ctx.deltas(out):
@@ -233,6 +235,7 @@ class OpenAIServingChat:
                     break
                 out = await stream.next()
         except ClientGone:
+            mark_outcome(stream.scope, "499")
             return
         yield sse("[DONE]")
 

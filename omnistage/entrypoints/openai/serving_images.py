@@ -20,7 +20,8 @@ from omnistage.entrypoints.openai.protocol import APIError
 from omnistage.entrypoints.openai.protocol_images import ImageGenerationRequest
 from omnistage.entrypoints.openai.serving import (ClientGone, RequestStream, ServerState,
                                                   client_gone, log, release_unless_handed_over,
-                                                  runtime_error, seconds, value_error)
+                                                  runtime_error, seconds, start_request,
+                                                  value_error)
 from omnistage.outputs import OmniRequestOutput
 from omnistage.sampling_params import DiffusionParams
 
@@ -100,7 +101,8 @@ class OpenAIServingImages:
         st.acquire()
         stream = None
         try:
-            stream = RequestStream(st.llm.generate(body.prompt, params, request_id=rid), request)
+            stream = await start_request(st, request, body.prompt, params, None, rid,
+                                         bad_request=params_error)
             out = await self._last(stream, rid)
             log.info("%s: images n=%d size=%dx%d format=%s e2e=%s", rid, body.n, width, height,
                      body.output_format, seconds(out.metrics.e2e))

@@ -15,16 +15,27 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from omnistage.entrypoints.openai.metrics import mark_outcome
 from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
                                                   client_gone, close_stream,
                                                   release_unless_handed_over,
                                                   RequestStream, ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
-                                                  runtime_error, seconds, sse, to_pcm16)
+                                                  runtime_error, seconds, sse, start_request,
+                                                  to_pcm16)
 from omnistage.outputs import OmniRequestOutput
 
 MAX_TRANSCRIPT_HEADER = 8192
+
+
+def no_audio(out: OmniRequestOutput) -> APIError:
+    """A request that finished without error but with no audio (e.g. the talker stopped at
+    once): never an empty 200."""
+    log.warning("%s: finished without audio (%s codec codes)", out.request_id,
+                out.metrics.tokens_per_stage)
+    return APIError(500, "no audio was generated for this input; retry, or change the input "
+                    "or seed", type_="server_error", code="no_audio_generated")
 
 
 class OpenAIServingSpeech:
@@ -48,12 +59,14 @@ class OpenAIServingSpeech:
         stream = None
         handed_over = False
         try:
-            stream = RequestStream(st.llm.generate(prompt, params, ["text", "audio"],
-                                                   request_id=rid), request)
+            stream = await start_request(st, request, prompt, params, ["text", "audio"], rid)
             first = await first_output(stream)
             log.info("%s: speech format=%s stream_format=%s voice=%s chars=%d", rid,
                      body.response_format, body.stream_format, voice, len(body.input))
             if body.stream_format == "sse" or body.response_format in ("pcm", "pcm16"):
+                # the status line waits for the first audio (text outputs carry none), so that
+                # a request that makes no audio is an error, not an empty 200
+                first = await self._first_audio(stream, first)
                 handed_over = True
                 gen = self._sse(stream, first, body, rid) if body.stream_format == "sse" \
                     else self._pcm(stream, first, rid)
@@ -87,7 +100,26 @@ class OpenAIServingSpeech:
         if last.error:
             raise runtime_error(last.error, produced=bool(last.token_ids))
         self._finished(last)
-        return last, (np.concatenate(chunks) if chunks else np.zeros(0, np.float32))
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        if not len(audio):
+            raise no_audio(last)
+        return last, audio
+
+    async def _first_audio(self, stream: RequestStream, out: OmniRequestOutput
+                           ) -> OmniRequestOutput:
+        """The first output, from `out` on, that carries audio; a request that fails or ends
+        without any raises APIError."""
+        while not (out.audio is not None and len(out.audio)):
+            if out.finished:
+                if out.error:
+                    raise runtime_error(out.error, produced=bool(out.token_ids))
+                self._finished(out)
+                raise no_audio(out)
+            nxt = await stream.next()
+            if nxt is None:
+                raise APIError(500, "the request ended without output", type_="server_error")
+            out = nxt
+        return out
 
     def _finished(self, out: OmniRequestOutput) -> None:
         self.state.metrics.observe_finished("speech", out)
@@ -106,6 +138,7 @@ class OpenAIServingSpeech:
                     return
                 out = await stream.next()
         except ClientGone:
+            mark_outcome(stream.scope, "499")
             return
 
     async def _pcm(self, stream: RequestStream, first: OmniRequestOutput,
@@ -113,6 +146,7 @@ class OpenAIServingSpeech:
         async for out in self._outputs(stream, first):
             if out.error:  # the status line is gone: end the body early, say it in the log
                 log.warning("%s: failed mid-stream: %s", rid, out.error)
+                mark_outcome(stream.scope, "error")
                 return
             if out.audio is not None and len(out.audio):
                 yield to_pcm16(out.audio).tobytes()
@@ -123,6 +157,7 @@ class OpenAIServingSpeech:
         chunks = []
         async for out in self._outputs(stream, first):
             if out.error:
+                mark_outcome(stream.scope, "error")
                 yield sse(runtime_error(out.error, produced=True).body())
                 return
             if out.audio is not None and len(out.audio):

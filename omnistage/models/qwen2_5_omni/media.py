@@ -1,8 +1,13 @@
 """Media loading for Qwen2.5-Omni requests: audio (16 kHz mono float32) and images (RGB PIL).
 
 Every error is a ValueError that starts with the name of the request part (`where`), e.g.
-"messages[0].content[1].image: cannot decode image: ...". Sizes are bounded before decoding
-where the container allows it (image dimensions are read from the header first).
+"messages[0].content[1].image: cannot decode image: ...".
+
+NOTE: media are bounded before they are decoded, and again while they are decoded, because
+headers can lie: image dimensions are read from the header first; audio files are checked on
+their header (sample rate, channels, duration) and then decoded in blocks mixed to mono at once,
+stopping as soon as the decoded samples pass the duration limit, so no more than the bound (plus
+one block) is ever held. The sample rate is bounded so that resampling stays cheap.
 
 Resampling is our own polyphase windowed-sinc filter (Kaiser window, 32 zero crossings on each
 side, cutoff at 0.945 x the lower Nyquist, ~85 dB stopband), run as one strided `conv1d` per
@@ -30,7 +35,13 @@ SAMPLE_RATE = 16000
 DEFAULT_MAX_AUDIO_SECONDS = 300.0
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_IMAGE_ASPECT_RATIO = 200  # Qwen2-VL's smart_resize rejects more extreme shapes
-_MAX_CHANNELS = 16
+MAX_AUDIO_CHANNELS = 16
+MIN_AUDIO_SAMPLE_RATE = 1000
+MAX_AUDIO_SAMPLE_RATE = 192000
+# Resampling uses one [phases, taps] float64 kernel: rates whose ratio to 16 kHz reduces to a
+# large fraction (e.g. 44101 Hz: 16000 phases x 44k taps = 5.7 GB) are rejected above this size.
+_MAX_RESAMPLE_KERNEL = 1 << 22  # float64 elements (32 MiB)
+_AUDIO_BLOCK_FRAMES = 1 << 16  # frames decoded at a time
 
 # Exceptions PIL raises on corrupt, truncated or unknown data (it has no single base class).
 _PIL_DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError,
@@ -93,6 +104,23 @@ def _kaiser(x: np.ndarray, beta: float) -> np.ndarray:
     return np.i0(beta * np.sqrt(np.clip(1.0 - x * x, 0.0, None))) / np.i0(beta)
 
 
+def _resample_plan(orig_sr: int, new_sr: int, zero_crossings: int, rolloff: float
+                   ) -> tuple[int, int, float, float, int]:
+    # (a, b, cutoff in cycles per input sample, kernel half width, padding): see resample
+    g = math.gcd(orig_sr, new_sr)
+    a, b = orig_sr // g, new_sr // g
+    fc = 0.5 * min(1.0, b / a) * rolloff
+    half = zero_crossings / (2.0 * fc)
+    return a, b, fc, half, int(math.ceil(half))
+
+
+def resample_kernel_elements(orig_sr: int, new_sr: int, zero_crossings: int = 32,
+                             rolloff: float = 0.945) -> int:
+    """Elements of the float64 kernel that `resample(x, orig_sr, new_sr)` builds."""
+    a, b, _, _, pad = _resample_plan(orig_sr, new_sr, zero_crossings, rolloff)
+    return b * (2 * pad + a + 1)
+
+
 def resample(samples: np.ndarray, orig_sr: int, new_sr: int, zero_crossings: int = 32,
              rolloff: float = 0.945, beta: float = 8.6) -> np.ndarray:
     """Band-limited resampling of a 1-D signal: float32 [n] -> float32 [ceil(n * new / orig)].
@@ -106,11 +134,8 @@ def resample(samples: np.ndarray, orig_sr: int, new_sr: int, zero_crossings: int
     x = np.asarray(samples, dtype=np.float64)
     if orig_sr == new_sr or x.size == 0:
         return x.astype(np.float32)
-    g = math.gcd(orig_sr, new_sr)
-    a, b = orig_sr // g, new_sr // g
-    fc = 0.5 * min(1.0, b / a) * rolloff  # cutoff in cycles per input sample
-    half = zero_crossings / (2.0 * fc)  # half width of the kernel, in input samples
-    pad = int(math.ceil(half))
+    # fc: cutoff in cycles per input sample; half: half width of the kernel, in input samples
+    a, b, fc, half, pad = _resample_plan(orig_sr, new_sr, zero_crossings, rolloff)
     taps = np.arange(2 * pad + a + 1, dtype=np.float64)  # covers every phase's support
     t = taps[None, :] - pad - (np.arange(b, dtype=np.float64)[:, None] * a / b)
     kernels = 2 * fc * np.sinc(2 * fc * t) * _kaiser(np.clip(t / half, -1, 1), beta)
@@ -128,7 +153,7 @@ def resample(samples: np.ndarray, orig_sr: int, new_sr: int, zero_crossings: int
 def _to_mono(x: np.ndarray, where: str) -> np.ndarray:
     if x.ndim == 1:
         return x
-    if x.ndim == 2 and min(x.shape) <= _MAX_CHANNELS:
+    if x.ndim == 2 and min(x.shape) <= MAX_AUDIO_CHANNELS:
         axis = 1 if x.shape[1] <= x.shape[0] else 0  # channels are the short axis
         return x.mean(axis=axis)
     raise ValueError(f"{where}: audio array must be 1-D (mono) or [samples, channels], "
@@ -145,10 +170,54 @@ def _array_to_float(x: np.ndarray, where: str) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def check_audio_format(where: str, sample_rate: int, channels: int, seconds: float,
+                       max_seconds: float) -> None:
+    """Bounds an audio stream from its header, before any of it is decoded."""
+    if not MIN_AUDIO_SAMPLE_RATE <= sample_rate <= MAX_AUDIO_SAMPLE_RATE:
+        raise ValueError(f"{where}: audio sample rate {sample_rate} Hz is outside "
+                         f"[{MIN_AUDIO_SAMPLE_RATE}, {MAX_AUDIO_SAMPLE_RATE}] Hz")
+    if (sample_rate != SAMPLE_RATE
+            and resample_kernel_elements(sample_rate, SAMPLE_RATE) > _MAX_RESAMPLE_KERNEL):
+        raise ValueError(f"{where}: audio sample rate {sample_rate} Hz cannot be resampled to "
+                         f"{SAMPLE_RATE} Hz cheaply; use a common rate (8, 11.025, 16, 22.05, "
+                         f"24, 32, 44.1, 48, 96 kHz ...)")
+    if not 1 <= channels <= MAX_AUDIO_CHANNELS:
+        raise ValueError(f"{where}: audio has {channels} channels, the limit is "
+                         f"{MAX_AUDIO_CHANNELS}")
+    if seconds > max_seconds:
+        raise ValueError(f"{where}: audio is {seconds:.1f} s long, more than the limit of "
+                         f"{max_seconds:g} s")
+
+
+def _decode_audio_file(raw: bytes, where: str, max_seconds: float) -> tuple[np.ndarray, int]:
+    """(mono float32 [n], sample rate) of an audio file: header checked first, then decoded in
+    blocks, each mixed to mono at once, stopping as soon as the bound is passed."""
+    try:
+        with soundfile.SoundFile(io.BytesIO(raw)) as f:
+            sr = f.samplerate
+            check_audio_format(where, sr, f.channels, f.frames / max(sr, 1), max_seconds)
+            limit = int(max_seconds * sr)
+            chunks, n = [], 0
+            for block in f.blocks(_AUDIO_BLOCK_FRAMES, dtype="float32", always_2d=True):
+                n += block.shape[0]
+                if n > limit:  # the header understated the length
+                    raise ValueError(f"{where}: audio is longer than the limit of "
+                                     f"{max_seconds:g} s (its header said "
+                                     f"{f.frames / sr:.1f} s)")
+                chunks.append(block.mean(axis=1))
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
+        raise ValueError(f"{where}: cannot decode audio: {e}") from e
+    x = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return x, sr
+
+
 def load_audio(src: Any, where: str, *, max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
                allow_local_paths: bool = True) -> Qwen2_5OmniAudio:
     """Decode audio from a path, bytes, base64 data URL, float32 array at 16 kHz, or an
-    `(array, sample_rate)` tuple; mix to mono and resample to 16 kHz."""
+    `(array, sample_rate)` tuple; mix to mono and resample to 16 kHz.
+
+    Files are bounded on their header (sample rate, channels, duration) before decoding and
+    on the decoded samples while decoding; arrays on their shape and rate."""
     sr = SAMPLE_RATE
     if isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (int, np.integer)):
         src, sr = src[0], int(src[1])
@@ -156,22 +225,13 @@ def load_audio(src: Any, where: str, *, max_audio_seconds: float = DEFAULT_MAX_A
         src = src.detach().cpu().numpy()
     raw = _media_bytes(src, where, "audio", allow_local_paths)
     if raw is not None:
-        try:
-            x, sr = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
-        except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
-            raise ValueError(f"{where}: cannot decode audio: {e}") from e
-        x = x.mean(axis=1)
+        x, sr = _decode_audio_file(raw, where, max_audio_seconds)
     elif isinstance(src, np.ndarray):
         x = _to_mono(_array_to_float(src, where), where)
+        check_audio_format(where, sr, 1, x.shape[0] / max(sr, 1), max_audio_seconds)
     else:
         raise ValueError(f"{where}: audio must be a path, bytes, a float32 array at 16 kHz or "
                          f"(array, sample_rate), got {type(src).__name__}")
-    if sr <= 0:
-        raise ValueError(f"{where}: invalid sample rate {sr}")
-    seconds = x.shape[0] / sr
-    if seconds > max_audio_seconds:
-        raise ValueError(f"{where}: audio is {seconds:.1f} s long, more than the limit of "
-                         f"{max_audio_seconds:g} s")
     if x.shape[0] == 0:
         raise ValueError(f"{where}: audio is empty")
     if not np.isfinite(x).all():

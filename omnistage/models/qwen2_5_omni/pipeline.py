@@ -26,7 +26,7 @@ from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, regis
 from omnistage.runtime.build import StageContext, build_stage_model
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.stage import ARStageWorker
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import SamplingParams, stage_seed
 
 SAMPLE_RATE = 24000
 DEFAULT_VOICE = "Chelsie"
@@ -108,9 +108,12 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
             raise ValueError(f"{where}.voice: {voice!r} is not available; voices: "
                              f"{sorted(self.voices)}")
         tp = self._talker_params(params, where)
-        cp = params[self.roles["code2wav"].name]
-        tseed = tp.seed if tp.seed is not None else seq.seed + 1
-        cseed = cp.seed if cp.seed is not None else seq.seed + 2
+        code2wav = self.roles["code2wav"].name
+        cp = params[code2wav]
+        # its seed reaches torch.Generator: checked (int64) like the other stages' params
+        cp.validate(where.replace("prompts", "sampling_params") + f"[{code2wav}]")
+        tseed = tp.seed if tp.seed is not None else stage_seed(seq.seed, 1)
+        cseed = cp.seed if cp.seed is not None else stage_seed(seq.seed, 2)
         seq.export_hidden = True
         v = self.voices[voice]
         adapter = ADAPTER_REGISTRY[self.roles["talker"].inputs[0].adapter](

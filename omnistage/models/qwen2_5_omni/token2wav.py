@@ -50,7 +50,8 @@ class Qwen2_5OmniToken2Wav(nn.Module):
         if (max_frames * mel_dim) % 16 or (num_frames * mel_dim) % 16:
             raise ValueError("mel_dim: frames * mel_dim must be a multiple of 16 for prefix-stable "
                              "noise")
-        gen = torch.Generator().manual_seed(int(seed))
+        # torch reads a seed modulo 2^64 but raises outside [-2^63, 2^64): wrap, same noise
+        gen = torch.Generator().manual_seed(int(seed) % (1 << 64))
         return torch.randn(1, max_frames, mel_dim, generator=gen)[0, :num_frames].clone()
 
     def check_voice(self, cond: torch.Tensor, ref_mel: torch.Tensor, cond_name: str = "cond",

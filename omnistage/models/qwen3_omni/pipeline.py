@@ -30,7 +30,7 @@ from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, regis
 from omnistage.runtime.build import StageContext, build_stage_model
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.stage import ARStageWorker
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import SamplingParams, stage_seed
 
 DEFAULT_VOICE = "Ethan"  # transformers' generate default speaker
 # KV shares of the free GPU memory (when not sized by the user): the thinker's first, then the
@@ -144,7 +144,7 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
         tp = dataclasses.replace(
             tp, suppress_token_ids=sorted(set(tp.suppress_token_ids) | self.codec_specials),
             stop_token_ids=sorted(set(tp.stop_token_ids) | {self.codec_eos}))
-        tseed = tp.seed if tp.seed is not None else seq.seed + 1
+        tseed = tp.seed if tp.seed is not None else stage_seed(seq.seed, 1)
         c = self.talker_config
         codec_ids = [c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"],
                      self.voices[voice.lower()], c["codec_pad_id"], c["codec_bos_id"]]
