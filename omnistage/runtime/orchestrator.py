@@ -341,10 +341,12 @@ class Orchestrator:
                 self._route(ev)
 
     def _crashed(self, name: str, host: StageHost, e: Exception) -> list[StageEvent]:
-        log.exception("stage %s crashed; failing its requests", name, exc_info=e)
+        """A step of stage `name` raised: its culprits fail alone (StageHost.recover)."""
+        log.error("stage %s: a step raised; finding the requests that make it raise", name,
+                  exc_info=e)
         self.stage_errors[name] += 1
         self.inflight.pop(name, None)
-        return host.fail_all(f"stage {name} failed: {type(e).__name__}: {e}")
+        return host.recover(e)
 
     def _drain_control(self, block: bool) -> None:
         try:
@@ -369,6 +371,9 @@ class Orchestrator:
                                              req.links)
             except ValueError as e:  # rejected by a stage: fails alone
                 self._fail(req.request_id, str(e))
+            except Exception as e:  # noqa: BLE001 - a request that breaks a submit fails alone
+                log.exception("request %s: a stage's submit raised", req.request_id)
+                self._fail(req.request_id, f"request failed at submit: {type(e).__name__}: {e}")
         elif msg[0] == "abort":
             self._fail(msg[1], msg[2] or "request aborted", reason="abort")
 

@@ -234,10 +234,13 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
                     if kind == "submit":
                         try:
                             host.submit(*msg[1:])
-                        except ValueError as e:  # rejected: fails alone
+                        except Exception as e:  # noqa: BLE001 - rejected: fails alone
+                            if not isinstance(e, ValueError):
+                                log.exception("request %s: submit raised", msg[1])
                             up(("events", pack_events([StageEvent(
                                 spec.stage, msg[1], finished=True, finish_reason="error",
-                                error=str(e))])))
+                                error=str(e) if isinstance(e, ValueError)
+                                else f"request failed at submit: {type(e).__name__}: {e}")])))
                     elif kind == "abort":
                         host.abort(msg[1])
                     elif kind == "data":
@@ -268,9 +271,10 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
             t0 = time.perf_counter()
             try:
                 events = host.step()
-            except Exception as e:  # noqa: BLE001 - a crashed step fails this stage's requests
-                log.exception("stage %s crashed; failing its requests", spec.stage)
-                events = host.fail_all(f"stage {spec.stage} failed: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - its culprits fail alone (host.recover)
+                log.error("stage %s: a step raised; finding the requests that make it raise",
+                          spec.stage, exc_info=e)
+                events = host.recover(e)
             busy_seconds += time.perf_counter() - t0
             steps += 1
             if events:

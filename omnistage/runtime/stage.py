@@ -11,6 +11,7 @@ next to the downstream model). Hidden rows never reach the orchestrator."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,6 +23,8 @@ import torch
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.step import LaunchedStep, StageEvent, StageStream  # noqa: F401
+
+log = logging.getLogger("omnistage.runtime")
 
 
 class StageWorker(Protocol):
@@ -59,6 +62,19 @@ class StageWorker(Protocol):
 
     def fail_all(self, error: str) -> list[StageEvent]:
         """After a crash: end every request of this stage with `error`, freeing its state."""
+
+    def request_ids(self) -> list[str]:
+        """The requests this stage holds, oldest first."""
+
+    def restrict(self, request_ids: frozenset[str] | None) -> None:
+        """Until restrict(None), steps run only these requests (StageHost.recover)."""
+
+    def reset_step(self) -> None:
+        """After a step raised: forget any step in flight or queued ahead (its work is not
+        collected); the requests stay, at their last collected state."""
+
+    def fail(self, request_id: str, error: str) -> list[StageEvent]:
+        """End one request with `error` (the others go on), freeing its state."""
 
 
 class ARStageWorker:
@@ -121,15 +137,24 @@ class ARStageWorker:
 
     def fail_all(self, error: str) -> list[StageEvent]:
         """After a crash: end every request of this stage with `error`, freeing their blocks."""
+        self.reset_step()
+        return [ev for rid in list(self.engine.seqs) for ev in self.fail(rid, error)]
+
+    def fail(self, request_id: str, error: str) -> list[StageEvent]:
+        if self.engine.fail(request_id, error) is None:
+            return []
+        return [StageEvent(self.name, request_id, finished=True, finish_reason="error",
+                           error=error)]
+
+    def request_ids(self) -> list[str]:
+        return list(self.engine.seqs)
+
+    def restrict(self, request_ids: frozenset[str] | None) -> None:
+        self.engine.scheduler.only = request_ids
+
+    def reset_step(self) -> None:
         self._queued = None
         self.engine.drop_ahead()
-        events = []
-        for rid in list(self.engine.seqs):
-            u = self.engine.fail(rid, error)
-            if u is not None:
-                events.append(StageEvent(self.name, rid, finished=True, finish_reason="error",
-                                         error=error))
-        return events
 
     def describe(self) -> dict[str, Any]:
         return self.gpu.describe()
@@ -226,14 +251,53 @@ class StageHost:
     def fail_all(self, error: str) -> list[StageEvent]:
         return self._forward(self.worker.fail_all(error))
 
+    def recover(self, exc: Exception) -> list[StageEvent]:
+        """After a step raised `exc`: find the requests that make it raise, fail those alone,
+        and go on with the rest (their events of the probe steps are returned too).
+
+        NOTE (request-fatal vs stage-fatal): each request the stage holds runs one step
+        alone. A request whose step raises alone is a culprit: it fails with its own error,
+        and no other request sees it. When every request fails alone (a broken device, a
+        bad weight), the stage itself is broken and all of them have failed, as before. A
+        step that no longer raises once split (a transient fault) costs only the probe."""
+        cause = f"{type(exc).__name__}: {exc}"
+        self.worker.reset_step()
+        suspects = self.worker.request_ids()
+        events: list[StageEvent] = []
+        culprits = 0
+        for rid in suspects:
+            self.worker.restrict(frozenset((rid,)))
+            try:
+                events += self._forward(self.worker.step())
+            except Exception as e:  # noqa: BLE001 - this request's own step fails it alone
+                self.worker.reset_step()
+                culprits += 1
+                log.warning("stage %s: request %s fails alone: %s: %s", self.name, rid,
+                            type(e).__name__, e)
+                events += self._forward(self.worker.fail(
+                    rid, f"stage {self.name} failed on this request: {type(e).__name__}: {e}"))
+            finally:
+                self.worker.restrict(None)
+        log.error("stage %s: a step raised (%s); %d of its %d requests fail alone, the rest go "
+                  "on", self.name, cause, culprits, len(suspects))
+        return events
+
     def _forward(self, events: list[StageEvent]) -> list[StageEvent]:
-        for ev in events:
-            for index, link in enumerate(self.links.get(ev.request_id, ())):
-                if link.upstream != self.name:
-                    continue
-                msg = link.adapter.send(ev, self.worker)
-                if msg is not None:
-                    self.deliver(link.downstream, ev.request_id, index, msg)
+        for i, ev in enumerate(events):
+            try:
+                for index, link in enumerate(self.links.get(ev.request_id, ())):
+                    if link.upstream != self.name:
+                        continue
+                    msg = link.adapter.send(ev, self.worker)
+                    if msg is not None:
+                        self.deliver(link.downstream, ev.request_id, index, msg)
+            except Exception as e:  # noqa: BLE001 - a handoff that fails fails its request
+                log.exception("stage %s: the handoff of request %s failed", self.name,
+                              ev.request_id)
+                # (the orchestrator's failure of the request aborts it in every stage)
+                ev = events[i] = StageEvent(self.name, ev.request_id, finished=True,
+                                            finish_reason="error", error=f"stage {self.name}: "
+                                            f"handoff failed: {type(e).__name__}: {e}")
             ev.hidden = ev.payload = None  # went to the links; the orchestrator gets control
             if ev.finished:
                 self._forget(ev.request_id)

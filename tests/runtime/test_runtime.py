@@ -120,7 +120,9 @@ def test_32_concurrent_mixed_requests_with_aborts(tiny_omni_dir):
     assert not llm.runtime.alive
 
 
-def test_stage_crash_fails_its_requests_and_recovers(tiny_omni_dir):
+def test_transient_stage_fault_fails_no_request(tiny_omni_dir):
+    """A step that raises once and not again when its requests are re-run alone (a transient
+    fault) fails no request: the runtime finds no culprit and goes on."""
     llm = OmniLLM(str(tiny_omni_dir))
     engine = llm.pipeline.workers["talker"].engine
     real_launch = engine.launch  # what a step runs first, with or without overlap
@@ -136,10 +138,8 @@ def test_stage_crash_fails_its_requests_and_recovers(tiny_omni_dir):
     t0 = time.time()
     out = llm.generate(msg, speech_params(6, 16), use_tqdm=False)[0]
     assert time.time() - t0 < 10
-    assert out.error is not None and "injected fault" in out.error
-    assert llm.runtime.stage_errors["talker"] == 1
-    ok = llm.generate(msg, speech_params(6, 16), use_tqdm=False)[0]
-    assert ok.error is None and ok.audio.shape[0] == 16 * 480
+    assert crashes["left"] == 0 and llm.runtime.stage_errors["talker"] == 1
+    assert out.error is None and out.audio.shape[0] == 16 * 480
     for engine in llm.pipeline.engines.values():
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     llm.shutdown()

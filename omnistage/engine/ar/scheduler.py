@@ -90,6 +90,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # request ids that alone may be scheduled (None: all); the runtime sets it to re-run
+        # the requests of a step that raised one at a time (StageHost.recover)
+        self.only: frozenset[str] | None = None
+
+    def _allowed(self, seq: Sequence) -> bool:
+        return self.only is None or seq.request_id in self.only
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -105,7 +111,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.ready_tokens() - seq.num_computed_tokens, budget)
-            if n <= 0:  # gated: waits for its next input row
+            if n <= 0 or not self._allowed(seq):  # gated: waits for its next input row
                 i += 1
                 continue
             total = seq.num_computed_tokens + n
@@ -125,6 +131,9 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
+            if not self._allowed(seq):
+                skipped.append(seq)
+                continue
             cached = self.blocks.match_prefix(seq) if not seq.block_table else []
             start = len(cached) * self.blocks.block_size if cached else seq.num_computed_tokens
             n = seq.ready_tokens() - start
@@ -154,7 +163,7 @@ class Scheduler:
         the step schedule() would make then: nothing waiting, exactly these sequences running
         (each sampled in that step), each next position's input row ready, and its KV blocks
         free without preemption."""
-        if self.waiting or len(self.running) != len(seqs) \
+        if self.only is not None or self.waiting or len(self.running) != len(seqs) \
                 or any(a is not b for a, b in zip(self.running, seqs)):
             return None
         need = 0

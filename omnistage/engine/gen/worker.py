@@ -4,8 +4,8 @@ first outputs first, steps in parts preemptible between parts, and the launcher 
 A step runs the next output of up to max_batch ready requests, earliest output first (a new
 request's first output goes ahead of later outputs of older ones); requests join and leave
 between steps. The runtime drives it through the StageWorker contract (runtime/stage.py):
-submit / abort / has_work / step / stats / fail_all, and launch() / collect() when it overlaps
-the stages' GPU work."""
+submit / abort / has_work / step / stats / fail_all, fail / restrict / reset_step (a step that
+raised), and launch() / collect() when it overlaps the stages' GPU work."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class GenStageWorker:
         self.first_alone = bool(self.config.first_output_alone)
         self.preempt = int(self.config.preempt_parts)
         self.job: StepJob | None = None  # the later-output step in progress (preempt > 0)
+        self.only: frozenset[str] | None = None  # restrict(): the requests steps may run
         # one worker: the orchestrator never launches this stage again before collecting it
         self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
                          if self.config.launch_thread else None)
@@ -101,7 +102,8 @@ class GenStageWorker:
         t0 = time.perf_counter()
         model = self.model
         ready = self._pick(sorted(((rid, r) for rid, r in self.requests.items()
-                                   if self._ready(r)), key=lambda item: item[1].outputs))
+                                   if self._ready(r) and (self.only is None or rid in self.only)),
+                                  key=lambda item: item[1].outputs))
         events = []
         for rid, r in ready:
             if model.empty(r):  # nothing to compute: it ends without an output
@@ -246,12 +248,27 @@ class GenStageWorker:
                 for (rid, _), f in zip(ready, fields, strict=True)]
 
     def fail_all(self, error: str) -> list[StageEvent]:
-        events = [StageEvent(self.name, rid, finished=True, finish_reason="error", error=error)
-                  for rid in self.requests]
-        self.requests.clear()
+        self.reset_step()
+        return [ev for rid in list(self.requests) for ev in self.fail(rid, error)]
+
+    def fail(self, request_id: str, error: str) -> list[StageEvent]:
+        if self.requests.pop(request_id, None) is None:
+            return []
+        return [StageEvent(self.name, request_id, finished=True, finish_reason="error",
+                           error=error)]
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def restrict(self, request_ids: frozenset[str] | None) -> None:
+        self.only = request_ids
+
+    def reset_step(self) -> None:
+        """After a step raised: its job is dropped, its requests are free for a new step."""
         self.job = None
+        for r in self.requests.values():
+            r.in_job = False
         self.model.drop_jobs()
-        return events
 
     def describe(self) -> dict[str, Any]:
         """Its streams' state (a stall report)."""
