@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -11,11 +12,13 @@ from omnistage.checkpoint import load_config, resolve_model_path
 from omnistage.config.schema import load_pipeline
 from omnistage.prompts import check_prompt_shape, per_stage_params
 from omnistage.models.registry import check_registered, resolve_pipeline
+from omnistage.runtime import startup
 from omnistage.runtime.build import resolve_device, resolve_dtype
 from omnistage.runtime.orchestrator import Orchestrator, RuntimeRequest
 from omnistage.runtime.pipeline import Pipeline
 
 MAX_PROMPTS_PER_CALL = 100_000
+log = logging.getLogger("omnistage")
 
 
 class OmniBase:
@@ -26,6 +29,13 @@ class OmniBase:
         """engine_options: AR engine options (EngineOptions' fields) for every AR stage, and the
         pipeline's own options (e.g. Qwen2.5-Omni's code2wav_*); overlap: the pipeline YAML's
         `overlap` (None: the YAML's, else on when a stage runs on a GPU)."""
+        with startup.recording() as self.startup_seconds:
+            self._build(model, pipeline, device, dtype, request_timeout, overlap, engine_options)
+        log.info("start-up (%s): %s", model, startup.describe(self.startup_seconds))
+
+    def _build(self, model: str, pipeline: str | None, device: str | None,
+               dtype: str | torch.dtype, request_timeout: float | None, overlap: bool | None,
+               engine_options: dict[str, Any]) -> None:
         self.path = resolve_model_path(model)
         config = load_config(self.path)
         pipeline_cls = resolve_pipeline(config)
@@ -41,11 +51,12 @@ class OmniBase:
             raise ValueError(f"overlap: true, false or None, got {overlap!r}")
         self.pipeline: Pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
-        self.runtime = Orchestrator(
-            self.pipeline.workers, background=self.background_runtime,
-            process_stages=self.pipeline.process_stages,
-            order=self.pipeline.stage_names,
-            overlap=self.pipeline_config.overlap if overlap is None else overlap)
+        with startup.phase("runtime"):  # (stage processes build their stages in here)
+            self.runtime = Orchestrator(
+                self.pipeline.workers, background=self.background_runtime,
+                process_stages=self.pipeline.process_stages,
+                order=self.pipeline.stage_names,
+                overlap=self.pipeline_config.overlap if overlap is None else overlap)
 
     # -------------------------------------------------------------- conveniences
     @property

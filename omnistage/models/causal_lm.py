@@ -22,6 +22,7 @@ from omnistage.prompts import text_prompt_ids
 from omnistage.runtime.build import (StageContext, build_model, build_stage_worker,
                                      build_stages, generation_defaults, new_request_id,
                                      resolve_seed, stage_engine_config)
+from omnistage.runtime import startup
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker, StageLink
@@ -33,15 +34,19 @@ register_model("causal_lm")(DecoderForCausalLM)  # resolved by config.architectu
 @register_stage("causal_lm", "ar")
 def build_causal_lm(ctx: StageContext) -> ARStageWorker:
     _, model_cls = resolve_architecture(ctx.config.get("architectures") or [])
-    model = build_model(model_cls, ctx.config, iter_tensors(ctx.path, ctx.prefix("")),
-                        ctx.device, ctx.dtype)
+    with startup.phase("weights"):
+        model = build_model(model_cls, ctx.config, iter_tensors(ctx.path, ctx.prefix("")),
+                            ctx.device, ctx.dtype)
     tokenizer = load_tokenizer(ctx.path)
     cfg = stage_engine_config(ctx.config.get("max_position_embeddings", 32768),
                               ctx.options["engine"], ctx.stage.engine)
     gen_cfg = load_generation_config(ctx.path)
-    engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
-                      eos_token_ids(gen_cfg, ctx.config, tokenizer))
-    engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))])
+    with startup.phase("engine"):  # KV cache, compiled layers
+        engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
+                          eos_token_ids(gen_cfg, ctx.config, tokenizer))
+    defaults = ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))
+    with startup.phase("graphs"):
+        engine.runner.warmup_graphs([defaults])
     return ARStageWorker(ctx.name, engine)
 
 

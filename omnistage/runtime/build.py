@@ -14,6 +14,7 @@ from omnistage.config.schema import EngineOptions, PipelineConfig, StageConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
+from omnistage.runtime import startup
 from omnistage.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -70,7 +71,8 @@ def build_stage_model(cls: type, config: dict, ctx: StageContext, prefix: str):
     from omnistage.checkpoint import dummy_tensors, iter_tensors
     dummy = ctx.options.get("load_format") == "dummy"
     tensors = dummy_tensors if dummy else iter_tensors(ctx.path, ctx.prefix(prefix))
-    return build_model(cls, config, tensors, ctx.device, ctx.dtype)
+    with startup.phase("weights"):
+        return build_model(cls, config, tensors, ctx.device, ctx.dtype)
 
 
 def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: torch.dtype):
@@ -164,6 +166,7 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
             process_stages[stage.name] = stage_process_spec(path, config, pipeline, stage.name,
                                                             dev, dt, options)
         else:
-            workers[stage.name] = build_stage_worker(path, config, pipeline, stage.name, dev, dt,
-                                                     options)
+            with startup.phase(stage.name):
+                workers[stage.name] = build_stage_worker(path, config, pipeline, stage.name, dev,
+                                                         dt, options)
     return workers, process_stages

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from omnistage.outputs import OmniRequestOutput
@@ -96,6 +96,12 @@ class ServerMetrics:
         self.tps = Histogram("omnistage_request_tokens_per_second", "Per request: a stage's "
                              "tokens over the request's e2e time", ["stage"],
                              buckets=TPS_BUCKETS, registry=r)
+        startup = Gauge("omnistage_startup_seconds", "Seconds the engine took to build, by "
+                        "phase: 'total', each stage, its 'weights', 'engine' (KV cache, compiled "
+                        "layers) and 'graphs' (CUDA graph capture), and 'runtime'", ["phase"],
+                        registry=r)
+        for name, seconds in getattr(llm, "startup_seconds", {}).items():
+            startup.labels(name).set(round(seconds, 3))
         r.register(_RuntimeCollector(llm, in_flight))
 
     def observe_finished(self, endpoint: str, out: OmniRequestOutput) -> None:

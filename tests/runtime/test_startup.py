@@ -1,0 +1,46 @@
+"""Start-up phases (issue 24): where building a pipeline spent its seconds, per stage and part,
+in the log and on the server's omnistage_startup_seconds gauge."""
+
+from __future__ import annotations
+
+import logging
+
+from omnistage import OmniLLM
+from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.runtime import startup
+
+
+def test_phases_nest_and_add_up():
+    with startup.recording() as phases:
+        with startup.phase("a"):
+            with startup.phase("x"):
+                pass
+            with startup.phase("x"):  # repeats add up
+                pass
+        with startup.phase("b"):
+            pass
+    assert set(phases) == {"a", "a.x", "b", "total"}
+    assert 0 <= phases["a.x"] <= phases["a"] <= phases["total"]
+    with startup.phase("outside"):  # no recording under way: nothing kept, nothing raised
+        pass
+    assert "outside" not in phases
+
+
+def test_omni_pipeline_reports_each_stage(tiny_omni_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="omnistage"):
+        llm = OmniLLM(str(tiny_omni_dir))
+    try:
+        phases = llm.startup_seconds
+        for stage in ("thinker", "talker"):
+            parts = [phases[f"{stage}.{p}"] for p in ("weights", "engine", "graphs")]
+            assert all(v >= 0 for v in parts) and sum(parts) <= phases[stage]
+        assert phases["code2wav"] > 0 and "runtime" in phases
+        assert sum(phases[s] for s in ("thinker", "talker", "code2wav", "runtime")) \
+            <= phases["total"]
+        line = next(r.getMessage() for r in caplog.records if "start-up" in r.getMessage())
+        assert "thinker" in line and "weights" in line and "total" in line
+        text = ServerMetrics(llm, lambda: 0).render().decode()
+        assert 'omnistage_startup_seconds{phase="thinker.weights"}' in text
+        assert 'omnistage_startup_seconds{phase="total"}' in text
+    finally:
+        llm.shutdown()
