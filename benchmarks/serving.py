@@ -220,6 +220,7 @@ def main() -> None:
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}}
     if args.side in ("both", "engine"):  # first: its memory is gone before the server starts
         result["engine"] = run_engine_side(args)
+        write_result(result, args.out, load)  # (kept if the server side does not finish)
     if args.side in ("both", "server"):
         result["server"] = run_server_side(args)
     if args.side == "both":
