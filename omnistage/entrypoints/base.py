@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -18,6 +19,11 @@ from omnistage.runtime.orchestrator import Orchestrator, RuntimeRequest
 from omnistage.runtime.pipeline import Pipeline
 
 MAX_PROMPTS_PER_CALL = 100_000
+# warmup(): its prompt and lengths (tokens of the first stage, of the stages after it: enough
+# for code2wav's first and a later chunk)
+WARMUP_PROMPT = "Hello."
+WARMUP_TOKENS, WARMUP_LATER_TOKENS = 8, 64
+WARMUP_TIMEOUT_S = 600.0
 log = logging.getLogger("omnistage")
 
 
@@ -101,6 +107,45 @@ class OmniBase:
                 req.deadline = time.monotonic() + self.request_timeout
             reqs.append(req)
         return reqs
+
+    def _warmup_request(self) -> RuntimeRequest | None:
+        """A short request through every stage (see warmup()); None when the pipeline has no
+        token stages to warm (image pipelines warm up while they are built)."""
+        if not self.pipeline.default_params:
+            return None
+        first = self.stage_names[0]
+        params = {name: dataclasses.replace(
+            p, max_tokens=n, min_tokens=n, ignore_eos=True, seed=0, stop=[], stop_token_ids=[])
+            for name, p in self.pipeline.default_params.items()
+            for n in [WARMUP_TOKENS if name == first else WARMUP_LATER_TOKENS]}
+        req = self._prepare([WARMUP_PROMPT], params, None)[0]
+        req.deadline = None
+        return req
+
+    def warmup(self) -> float | None:
+        """Run one short request through every stage (text and audio) and wait for it, so that
+        the first user request finds every kernel compiled and tuned for the shapes a request
+        brings (as the server does before it answers /health). Returns its seconds (also
+        startup_seconds["warmup"]), None when there is nothing to warm."""
+        req = self._warmup_request()
+        if req is None:
+            return None
+        done: list = []
+        t0 = time.perf_counter()
+        self.runtime.submit(req, lambda out: done.append(out) if out.finished else None,
+                            stream=False)
+        if self.background_runtime:
+            deadline = time.monotonic() + WARMUP_TIMEOUT_S
+            while not done and time.monotonic() < deadline and self.runtime.alive:
+                time.sleep(0.01)
+        else:
+            self.runtime.run_until(lambda: bool(done))
+        if not done or done[0].error:
+            raise RuntimeError(f"warm-up request failed: "
+                               f"{done[0].error if done else 'no answer in time'}")
+        seconds = self.startup_seconds["warmup"] = time.perf_counter() - t0
+        log.info("warm-up request: %.2f s (%s)", seconds, done[0].metrics.tokens_per_stage)
+        return seconds
 
     def shutdown(self) -> None:
         """Stop the runtime; requests still running end with an error."""

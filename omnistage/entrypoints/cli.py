@@ -193,6 +193,8 @@ def cmd_serve(args) -> int:
         model = str(build())
     llm = AsyncOmniLLM(model, request_timeout=args.request_timeout,
                        prepare_workers=args.prepare_workers, **_engine_kwargs(args))
+    if args.warmup:  # before /health answers: the first request runs as fast as the next
+        llm.warmup()
     run_server(llm, config, args.host, args.port, log_level=args.log_level,
                access_log=args.access_log)
     return 0
@@ -220,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-audio-seconds", type=float, default=300.0,
                    help="longest input audio part")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run one short request through every stage before serving")
     s.add_argument("--prepare-workers", type=int, default=4, help="threads that prepare "
                    "requests (tokenising, media decoding) off the event loop")
     s.add_argument("--allow-remote-media", action="store_true",

@@ -44,3 +44,23 @@ def test_omni_pipeline_reports_each_stage(tiny_omni_dir, caplog):
         assert 'omnistage_startup_seconds{phase="total"}' in text
     finally:
         llm.shutdown()
+
+
+def test_warmup_runs_every_stage_and_leaves_the_engine_idle(tiny_omni_dir):
+    from omnistage import AsyncOmniLLM
+    for cls in (OmniLLM, AsyncOmniLLM):
+        llm = cls(str(tiny_omni_dir))
+        try:
+            stats_before = llm.runtime.stats()
+            seconds = llm.warmup()
+            assert seconds is not None and seconds > 0
+            assert llm.startup_seconds["warmup"] == seconds
+            stats = llm.runtime.stats()
+            assert stats["thinker"]["steps"] > stats_before["thinker"]["steps"]
+            assert stats["talker"]["steps"] > stats_before["talker"]["steps"]
+            assert stats["code2wav"]["steps"] > stats_before["code2wav"]["steps"]
+            assert llm.runtime.num_active() == 0
+            for engine in llm.pipeline.engines.values():
+                assert not engine.has_unfinished()
+        finally:
+            llm.shutdown()
