@@ -19,7 +19,7 @@ from omnistage.models.registry import (ADAPTER_REGISTRY, CAUSAL_LM_PIPELINE, STA
                                        register_model, register_pipeline, register_stage,
                                        resolve_architecture)
 from omnistage.prompts import text_prompt_ids
-from omnistage.runtime.build import (StageContext, build_model, build_stage_worker,
+from omnistage.runtime.build import (StageContext, build_ar_engine, build_model, build_stage_worker,
                                      build_stages, generation_defaults, new_request_id,
                                      resolve_seed, stage_engine_config)
 from omnistage.runtime import startup
@@ -41,12 +41,9 @@ def build_causal_lm(ctx: StageContext) -> ARStageWorker:
     cfg = stage_engine_config(ctx.config.get("max_position_embeddings", 32768),
                               ctx.options["engine"], ctx.stage.engine)
     gen_cfg = load_generation_config(ctx.path)
-    with startup.phase("engine"):  # KV cache, compiled layers
-        engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
-                          eos_token_ids(gen_cfg, ctx.config, tokenizer))
-    defaults = ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))
-    with startup.phase("graphs"):
-        engine.runner.warmup_graphs([defaults])
+    engine = build_ar_engine(ctx, model, cfg, tokenizer,
+                             eos_token_ids(gen_cfg, ctx.config, tokenizer),
+                             ctx.stage.default_sampling.apply(generation_defaults(gen_cfg)))
     return ARStageWorker(ctx.name, engine)
 
 

@@ -16,10 +16,9 @@ from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.gen import GenStageWorker
 from omnistage.models.qwen2_5_omni.thinker import thinker_sequence
 from omnistage.outputs import OmniRequestOutput
-from omnistage.runtime.build import (StageContext, build_stage_worker, build_stages,
-                                     generation_defaults, new_request_id, pop_load_options,
-                                     resolve_seed, stage_engine_config)
-from omnistage.runtime import startup
+from omnistage.runtime.build import (StageContext, build_ar_engine, build_stage_worker,
+                                     build_stages, generation_defaults, new_request_id,
+                                     pop_load_options, resolve_seed, stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker, StageLink
@@ -58,12 +57,8 @@ def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any,
     text_cfg = ctx.config["thinker_config"]["text_config"]
     cfg = stage_engine_config(text_cfg.get("max_position_embeddings", 32768),
                               kv_fraction(ctx, kv_share), ctx.stage.engine)
-    with startup.phase("engine"):  # KV cache, compiled layers
-        engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer,
-                          eos_token_ids(gen_cfg, ctx.config, None))
-    defaults = ctx.stage.default_sampling.apply(generation_defaults(gen_cfg))
-    with startup.phase("graphs"):
-        engine.runner.warmup_graphs([defaults])
+    engine = build_ar_engine(ctx, model, cfg, tokenizer, eos_token_ids(gen_cfg, ctx.config, None),
+                             ctx.stage.default_sampling.apply(generation_defaults(gen_cfg)))
     # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
     return ARStageWorker(ctx.name, engine, priority=-2)
 
@@ -75,10 +70,8 @@ def talker_worker(ctx: StageContext, model: torch.nn.Module, max_position_embedd
     thinker's rows, `row_width` wide."""
     cfg = stage_engine_config(max_position_embeddings, kv_fraction(ctx, kv_share),
                               ctx.stage.engine)
-    with startup.phase("engine"):  # KV cache, compiled layers
-        engine = AREngine(model, cfg, ctx.device, ctx.dtype, None, set())
-    with startup.phase("graphs"):
-        engine.runner.warmup_graphs([ctx.stage.default_sampling.apply(params)], row_width)
+    engine = build_ar_engine(ctx, model, cfg, None, set(),
+                             ctx.stage.default_sampling.apply(params), row_width)
     return ARStageWorker(ctx.name, engine, priority=-1)
 
 

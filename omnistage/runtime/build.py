@@ -89,6 +89,19 @@ def build_model(cls: type, config: dict, tensors, device: torch.device, dtype: t
     return model.to(dtype).eval()
 
 
+def build_ar_engine(ctx: StageContext, model: torch.nn.Module, cfg: EngineConfig, tokenizer: Any,
+                    eos_token_ids: set[int], warm_params: SamplingParams,
+                    row_width: int | None = None) -> AREngine:
+    """An AR stage's engine on `model` (built and loaded), its decode graphs captured with
+    `warm_params` (and `row_width`-wide additive rows); timed as the stage's `engine` (KV cache,
+    compiled layers) and `graphs` start-up phases."""
+    with startup.phase("engine"):
+        engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer, eos_token_ids)
+    with startup.phase("graphs"):
+        engine.runner.warmup_graphs([warm_params], row_width)
+    return engine
+
+
 def stage_engine_config(model_max_len: int, options: dict[str, Any],
                         stage: EngineOptions) -> EngineConfig:
     """Constructor engine options, overridden by the stage's YAML `engine:` keys."""
