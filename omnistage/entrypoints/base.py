@@ -118,7 +118,11 @@ class OmniBase:
             p, max_tokens=n, min_tokens=n, ignore_eos=True, seed=0, stop=[], stop_token_ids=[])
             for name, p in self.pipeline.default_params.items()
             for n in [WARMUP_TOKENS if name == first else WARMUP_LATER_TOKENS]}
-        req = self._prepare([WARMUP_PROMPT], params, None)[0]
+        # a chat turn for the models that speak (Qwen3-Omni's talker needs one); plain text
+        # for the rest (a plain LM may have no chat template)
+        prompt = {"messages": [{"role": "user", "content": WARMUP_PROMPT}]} \
+            if self.pipeline.voices else WARMUP_PROMPT
+        req = self._prepare([prompt], params, None)[0]
         req.deadline = None
         return req
 

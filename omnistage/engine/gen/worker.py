@@ -46,7 +46,8 @@ class GenStageWorker:
         self.config = (config or GenEngineConfig()).resolve(device)
         self.max_batch = self.config.max_batch
         self.requests: dict[str, GenRequest] = {}
-        self.batch_sizes: list[int] = []
+        # step sizes so far, as running figures (a list would grow with every step)
+        self.last_batch = self.max_batch_seen = self.num_chunks = self.num_steps = 0
         self.alone_steps = 0  # steps of first outputs that ran with the GPU to themselves
         self.busy_seconds = 0.0
         self.stalled = False
@@ -131,7 +132,7 @@ class GenStageWorker:
             ready = first
         if not first and self.preempt and model.streaming:
             return self._launch_part(t0, events, ready)
-        self.batch_sizes.append(len(ready))
+        self._count_step(len(ready))
         gpu = self.gpu_first if first else self.gpu
         with gpu.active(launch=True):  # (the previous step was collected: done on the GPU)
             start = gpu.event()
@@ -147,6 +148,11 @@ class GenStageWorker:
         pending = self.launcher.submit(self._queue_run, batch, gpu, end)
         return LaunchedStep((ready, None, False), events, start, end, time.perf_counter() - t0,
                             exclusive=alone, pending=pending)
+
+    def _count_step(self, size: int) -> None:
+        self.last_batch, self.max_batch_seen = size, max(self.max_batch_seen, size)
+        self.num_chunks += size
+        self.num_steps += 1
 
     def _pick(self, ready: Ready) -> Ready:
         """The step's batch: in order, the requests whose batch_key is the first one's, while
@@ -171,7 +177,7 @@ class GenStageWorker:
             batch = [r for _, r in ready]
             self.job = StepJob(ready, self.model.intervals(batch), any(
                 self.model.input_pending(r) for r in self.requests.values()))
-            self.batch_sizes.append(len(ready))
+            self._count_step(len(ready))
             for _, r in ready:
                 r.in_job = True
         job = self.job
@@ -277,8 +283,7 @@ class GenStageWorker:
 
     def stats(self) -> dict[str, float]:
         return {"queue": len(self.requests),
-                "batch_size": self.batch_sizes[-1] if self.batch_sizes else 0,
-                "max_batch_size": max(self.batch_sizes, default=0),
-                "chunks": sum(self.batch_sizes), "steps": len(self.batch_sizes),
+                "batch_size": self.last_batch, "max_batch_size": self.max_batch_seen,
+                "chunks": self.num_chunks, "steps": self.num_steps,
                 "alone_steps": self.alone_steps, "preempt_intervals": self.preempt,
                 "busy_seconds": self.busy_seconds, **self.model.stats()}
