@@ -20,6 +20,8 @@ class StageOutput:
     # each frame; token_ids holds codebook 0
     codes: np.ndarray | None = None
     images: list = field(default_factory=list)  # image stages: PIL.Image.Image per image
+    # AR stages whose SamplingParams.logprobs is set: one dict per token of token_ids
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -49,3 +51,9 @@ class OmniRequestOutput:
     # (denoising steps done, steps in all) as the request progresses
     images: list = field(default_factory=list)
     progress: tuple[int, int] | None = None
+    # SamplingParams.logprobs set (None otherwise): per token of token_ids (the text stage's),
+    # {token id: logprob} of the emitted token (first) and the top k, as vLLM's SampleLogprobs;
+    # see SamplingParams for the distribution. logprobs_delta: those of the tokens new since
+    # the previous streamed output (a token whose text is held back comes with a later one)
+    logprobs: list[dict[int, float]] | None = None
+    logprobs_delta: list[dict[int, float]] | None = None

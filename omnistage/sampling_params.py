@@ -13,6 +13,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGPROBS = 20  # top tokens per position (OpenAI's top_logprobs bound)
 
 
 def stage_seed(seed: int, offset: int) -> int:
@@ -27,7 +28,16 @@ def stage_seed(seed: int, offset: int) -> int:
 class SamplingParams:
     """temperature 0 = greedy. top_k <= 0 = off (-1 or 0). Penalties follow transformers
     (repetition: prompt + output ids, divide positive / multiply negative logits) and
-    vLLM/OpenAI (presence, frequency: output ids only). validate() gives each field's bounds."""
+    vLLM/OpenAI (presence, frequency: output ids only). validate() gives each field's bounds.
+
+    logprobs (vLLM's meaning): None = none; k in [0, MAX_LOGPROBS] = per generated token, the
+    emitted token's logprob and the k most likely tokens' (OmniRequestOutput.logprobs).
+    They are vLLM's "processed_logprobs": log-softmax of the distribution the token was drawn
+    from, i.e. the logits after the repetition/presence/frequency penalties and bans
+    (suppressed ids, stop ids under min_tokens), then temperature, top-k, top-p and min-p
+    (cut tokens: -inf). Greedy (temperature 0): the penalised logits, no temperature. Tokens
+    the processing cut (logprob -inf) are left out of the top k, so a position may list fewer
+    than k (as OpenAI allows); the emitted token is always listed."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -44,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
     # internal: ids that may never be sampled (e.g. the talker's codec bos)
     suppress_token_ids: list[int] = field(default_factory=list)
 
@@ -104,6 +115,8 @@ class SamplingParams:
             raise bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if self.seed is not None:
             integer("seed", self.seed, INT64_MIN, INT64_MAX)
+        if self.logprobs is not None:
+            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for i, s in enumerate(self.stop):

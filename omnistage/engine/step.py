@@ -37,6 +37,9 @@ class StageEvent:
     # data for the downstream stages' links only (latents, text embeddings); never reaches the
     # orchestrator (StageHost drops it once the links have it, as it does `hidden`)
     payload: Any = None
+    # SamplingParams.logprobs: per new token, {token id: logprob}: the emitted token's, then
+    # the top k (OmniRequestOutput.logprobs)
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

@@ -204,6 +204,8 @@ class ThinkerTalkerPipeline:
             stage.token_ids = stage.token_ids[:-1]
             if stage.codes is not None and len(stage.codes) > len(stage.token_ids):
                 stage.codes = stage.codes[:len(stage.token_ids)]
+            if stage.logprobs is not None:
+                stage.logprobs = stage.logprobs[:len(stage.token_ids)]
             out.metrics.tokens_per_stage[talker] = len(stage.token_ids)
 
     def _force_reply(self, seq: Sequence, text: str) -> None:

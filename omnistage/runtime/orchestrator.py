@@ -58,6 +58,8 @@ class RuntimeRequest:
     arrival: float = 0.0
     stage_tokens: dict[str, list[int]] = field(default_factory=dict)
     stage_codes: dict[str, list[list[int]]] = field(default_factory=dict)
+    stage_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    logprobs_sent: int = 0  # the text stage's logprobs already in a streamed output
     stage_reasons: dict[str, str | None] = field(default_factory=dict)
     text: str = ""
     audio_chunks: list[np.ndarray] = field(default_factory=list)
@@ -132,10 +134,16 @@ class Orchestrator:
             self.step_delay[stage] = seconds
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step: requests still running end with the error
+        'runtime shut down' (their sinks are called from the loop's thread), stage processes
+        stop. Waits up to `timeout` s for the loop's thread; safe to call again."""
         self._stop.set()
         self._put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the runtime thread did not stop within %.0f s (a stage step still "
+                          "running?)", timeout)
         else:
             self._drain_control(block=False)
             self._fail_all_requests()
@@ -392,6 +400,8 @@ class Orchestrator:
         req.stage_tokens.setdefault(ev.stage, []).extend(ev.token_ids)
         if ev.codes:
             req.stage_codes.setdefault(ev.stage, []).extend(ev.codes)
+        if ev.logprobs:
+            req.stage_logprobs.setdefault(ev.stage, []).extend(ev.logprobs)
         if self.trace is not None:
             self.trace.append((ev.stage, ev.request_id, len(req.stage_tokens[ev.stage]),
                                ev.audio is not None))
@@ -431,6 +441,10 @@ class Orchestrator:
         m = out.metrics
         m.ttft, m.ttfa, m.seed = req.ttft, req.ttfa, req.seed
         out.progress = out.progress or req.progress
+        lps = req.stage_logprobs.get(req.text_stage)
+        if lps is not None:
+            out.logprobs, out.logprobs_delta = list(lps), lps[req.logprobs_sent:]
+            req.logprobs_sent = len(lps)
         if finished:
             m.e2e = time.monotonic() - req.arrival
             m.num_cached_tokens = getattr(req.stage_requests.get(req.text_stage),
@@ -442,6 +456,8 @@ class Orchestrator:
                                                 req.stage_reasons.get(stage))
                 if stage in req.stage_codes:
                     out.stages[stage].codes = np.asarray(req.stage_codes[stage], dtype=np.int64)
+                if stage in req.stage_logprobs:
+                    out.stages[stage].logprobs = list(req.stage_logprobs[stage])
             if req.audio_stage is not None:
                 audio = (np.concatenate(req.audio_chunks) if req.audio_chunks
                          else np.zeros(0, dtype=np.float32))

@@ -73,16 +73,17 @@ def pack_events(events: list[StageEvent]) -> list[tuple]:
     # compact tuples: the control channel carries a few dozen bytes per request and step
     return [(ev.request_id, ev.token_ids, ev.text,
              None if ev.audio is None else torch.from_numpy(np.ascontiguousarray(ev.audio)),
-             ev.finished, ev.finish_reason, ev.error, ev.codes, ev.images, ev.progress)
+             ev.finished, ev.finish_reason, ev.error, ev.codes, ev.images, ev.progress,
+             ev.logprobs)
             for ev in events]
 
 
 def unpack_events(stage: str, packed: list[tuple]) -> list[StageEvent]:
     return [StageEvent(stage, rid, tokens, text, None,
                        None if audio is None else audio.numpy(), finished, reason, error, codes,
-                       images, progress)
-            for rid, tokens, text, audio, finished, reason, error, codes, images, progress
-            in packed]
+                       images, progress, logprobs=logprobs)
+            for rid, tokens, text, audio, finished, reason, error, codes, images, progress,
+            logprobs in packed]
 
 
 # ------------------------------------------------------------------------- parent side

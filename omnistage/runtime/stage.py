@@ -132,7 +132,7 @@ class ARStageWorker:
         self.last_batch_size = len(updates)
         return [StageEvent(self.name, u.request_id, u.new_token_ids, u.new_text, u.hidden,
                            codes=u.new_codes, finished=u.finished, finish_reason=u.finish_reason,
-                           error=u.error)
+                           error=u.error, logprobs=u.logprobs)
                 for u in updates]
 
     def fail_all(self, error: str) -> list[StageEvent]:

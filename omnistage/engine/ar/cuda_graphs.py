@@ -11,11 +11,18 @@ the block manager's range. Two graphs per step, replayed back to back:
     state, or its graph failed to capture).
 Keying heads by the flags keeps sample()'s host branches fixed per graph (same ops as eager).
 
+NOTE (logprobs): a step whose rows ask SamplingParams.logprobs replays a head graph keyed
+(size, flags, L), L = the asking rows' count padded up to a batch size: inside the graph,
+logprobs.row_logprobs gathers those rows (their indices in the static input buffer) before
+the draw and packs their top-MAX_LOGPROBS after it; one more D2H copy beside the ids'. Steps
+without them replay the L = 0 heads, unchanged. Such heads are captured at first use (not at
+warm-up), so the first logprobs step of a size stalls for its capture.
+
 Static inputs live in one int32 device buffer filled from a pinned host buffer by one
 non_blocking copy per step: [ids M | positions 3M | slots M | seq_lens M | sample slots M |
-steps M | forced ids M | tables M x MB] (M = largest size, MB = blocks per sequence at
-max_model_len). Graphs are captured lazily and share one memory pool: everything read across
-graphs (hidden, ids, sampler state) lives outside it.
+steps M | forced ids M | logprob rows M | tables M x MB] (M = largest size, MB = blocks per
+sequence at max_model_len). Graphs are captured lazily and share one memory pool: everything
+read across graphs (hidden, ids, sampler state) lives outside it.
 
 Async scheduling: a step may be launched before the previous one's tokens reached the host
 (run(..., ahead=1)); its input ids are then copied on the device from the previous step's
@@ -32,11 +39,14 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
+from omnistage.engine.ar.logprobs import pack, row_logprobs
 from omnistage.engine.ar.sampler import SamplerState, StepSampling
 from omnistage.engine.ar.interface import ForwardBatch
+from omnistage.sampling_params import MAX_LOGPROBS
 
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
 
@@ -179,8 +189,8 @@ class DecodeGraphs:
         self.block_size, self.dummy_block, self.uses_mrope = block_size, dummy_block, uses_mrope
         MB = self.max_blocks = -(-max_model_len // block_size)
         self._off = {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "sslot": 6 * M,
-                     "step": 7 * M, "force": 8 * M, "tables": 9 * M}
-        total = 9 * M + M * MB
+                     "step": 7 * M, "force": 8 * M, "lprow": 9 * M, "tables": 10 * M}
+        total = 10 * M + M * MB
         cuda = device.type == "cuda"
         self.capture = cuda and not eager  # eager: replays rerun the functions
         # two of each host buffer (and its event): a step launched ahead is filled while the
@@ -200,6 +210,10 @@ class DecodeGraphs:
         self.hidden: torch.Tensor | None = None  # [M, D] forward output, outside the pool
         self.tokens = torch.zeros(M, dtype=torch.long, device=device)  # head output
         self.tokens_host = torch.zeros(2, M, dtype=torch.long, pin_memory=cuda)
+        # logprobs heads: their rows' packed results (logprobs.pack), at first use
+        self.lp_k = min(MAX_LOGPROBS, sampler.vocab_size) if sampler is not None else 0
+        self.lp_out: torch.Tensor | None = None  # [M, 1 + 2 lp_k] fp32
+        self.lp_host: torch.Tensor | None = None  # [2, M, 1 + 2 lp_k] fp32
         # multi-codebook models: the head graph also runs model.predict_residuals (the inner
         # loop of codebooks 1..K-1), its codes and summed embeddings in these buffers
         groups = getattr(model, "num_code_groups", 1)
@@ -239,6 +253,7 @@ class DecodeGraphs:
         h[o["sslot"] + start:o["sslot"] + M] = self.scratch_slot
         h[o["step"] + start:o["step"] + M] = 0
         h[o["force"] + start:o["force"] + M] = -1
+        h[o["lprow"] + start:o["lprow"] + M] = 0
         h[o["tables"] + start * MB:o["tables"] + M * MB:MB] = self.dummy_block
 
     def _fill(self, h, seqs, B: int, sampling: StepSampling | None, ahead: int) -> int:
@@ -266,6 +281,8 @@ class DecodeGraphs:
             h[o["step"]:o["step"] + n] = sampling.steps
             h[o["force"]:o["force"] + n] = sampling.force
         self._fill_padding(h, n)
+        if sampling is not None:  # (after the padding: fewer rows than n ask)
+            h[o["lprow"]:o["lprow"] + len(sampling.logprob_rows)] = sampling.logprob_rows
         return o["tables"] + B * MB
 
     def _stage_rows(self, embeds_rows, add_rows, B: int, has_e: bool, has_a: bool) -> None:
@@ -320,19 +337,30 @@ class DecodeGraphs:
             self.hidden[:B].copy_(hidden)
         return hidden
 
-    def _head(self, B: int, flags, warm: bool) -> torch.Tensor:
-        # flags None: logits [B, V]; else sampled ids into self.tokens[:B]
-        logits = self.model.compute_logits(self.hidden[:B])
-        if flags is None:
-            return logits
+    def _draw(self, logits: torch.Tensor, B: int, flags, L: int, warm: bool):
+        # sampled ids into self.tokens[:B], the L logprob rows' packed results into lp_out
         o, d = self._off, self.dev
         slots = d[o["sslot"]:o["sslot"] + B].long()
         steps = d[o["step"]:o["step"] + B].long()
         force = d[o["force"]:o["force"] + B].long()
+        lp = None
+        if L:
+            rows = d[o["lprow"]:o["lprow"] + L].long()
+            lp = row_logprobs(self.sampler, logits, slots, steps, flags, rows, self.lp_k)
         # warm-up runs must not count their draws
         ids = self.sampler.sample_rows(logits, slots, steps, force, flags, update=not warm)
         if not warm:
             self.tokens[:B].copy_(ids)
+            if lp is not None:
+                self.lp_out[:L].copy_(pack(lp, ids))
+        return ids, slots, steps
+
+    def _head(self, B: int, flags, L: int, warm: bool) -> torch.Tensor:
+        # flags None: logits [B, V]; else sampled ids into self.tokens[:B]
+        logits = self.model.compute_logits(self.hidden[:B])
+        if flags is None:
+            return logits
+        ids, slots, steps = self._draw(logits, B, flags, L, warm)
         if self.residual:
             st = self.sampler
             codes, embeds = self.model.predict_residuals(
@@ -406,15 +434,19 @@ class DecodeGraphs:
         out = None
         if sampling is not None or logits:
             flags = sampling.flags if sampling is not None else None
-            head = self._get_head(B, flags)
+            n_lp = len(sampling.logprob_rows) if sampling is not None else 0
+            L = self.padded_size(n_lp) if n_lp else 0
+            head = self._get_head(B, flags, L)
             if head is None:  # sampler not capturable here: logits graph, eager sampler
                 lg = self._get_head(B, None)
                 lg.replay()
-                self._eager_head(lg.out, B, flags)
+                self._draw(lg.out[:B], B, flags, L, warm=False)
             else:
                 head.replay()
             if sampling is not None:
                 self.tokens_host[k, :n].copy_(self.tokens[:n], non_blocking=True)
+                if n_lp:
+                    self.lp_host[k, :n_lp].copy_(self.lp_out[:n_lp], non_blocking=True)
                 if self.residual:
                     self.residual_ran[k] = head is not None
                     if head is not None:
@@ -449,11 +481,16 @@ class DecodeGraphs:
             for flags in flag_sets:
                 self._get_head(B, flags)
 
-    def _get_head(self, B: int, flags) -> _Graph | _EagerGraph | None:
-        key = (B, flags)
+    def _get_head(self, B: int, flags, L: int = 0) -> _Graph | _EagerGraph | None:
+        key = (B, flags, L)
+        if L and self.lp_out is None:
+            W = 1 + 2 * self.lp_k
+            self.lp_out = torch.zeros(self.max_size, W, device=self.device)
+            self.lp_host = torch.zeros(2, self.max_size, W, pin_memory=self.device.type == "cuda")
         if key not in self.heads:
             try:
-                self.heads[key] = self.capture_graph(lambda warm: self._head(B, flags, warm))
+                self.heads[key] = self.capture_graph(
+                    lambda warm: self._head(B, flags, L, warm))
             except RuntimeError as e:  # NOTE: keeps the engine running; the eager sampler is exact
                 if flags is None:
                     raise
@@ -461,13 +498,6 @@ class DecodeGraphs:
                               stacklevel=2)
                 self.heads[key] = None
         return self.heads[key]
-
-    def _eager_head(self, logits: torch.Tensor, B: int, flags) -> None:
-        o, d = self._off, self.dev
-        ids = self.sampler.sample_rows(logits[:B], d[o["sslot"]:o["sslot"] + B].long(),
-                                       d[o["step"]:o["step"] + B].long(),
-                                       d[o["force"]:o["force"] + B].long(), flags)
-        self.tokens[:B].copy_(ids)
 
     def residual_rows(self, n: int) -> torch.Tensor | None:
         """A copy (queued now, on the current stream) of the last run's summed residual
@@ -479,6 +509,12 @@ class DecodeGraphs:
     def sampled_codes(self, n: int, run: int) -> list[list[int]]:
         """Codebooks 1..K-1 of run `run`'s n rows (after sampled_tokens of that run)."""
         return self.codes_host[run % 2, :n].tolist()
+
+    def sampled_logprobs(self, n: int, run: int) -> np.ndarray:
+        """A copy of the packed logprobs (logprobs.pack) of run `run`'s n asking rows [n, W]
+        (after sampled_tokens of that run)."""
+        self.sampled[run % 2].synchronize()
+        return self.lp_host[run % 2, :n].numpy().copy()
 
     def sampled_tokens(self, n: int, run: int) -> list[int]:
         """The ids of run `run`'s n rows (waits for it; runs after it may be in flight)."""

@@ -34,6 +34,8 @@ class SequenceUpdate:
     error: str | None = None
     hidden: tuple[int, torch.Tensor] | None = None  # (first position, rows [n, D]) on device
     new_codes: list[list[int]] = field(default_factory=list)  # multi-codebook: all codebooks
+    # SamplingParams.logprobs: per new token, {token id: logprob} (logprobs.unpack)
+    logprobs: list[dict[int, float]] | None = None
 
 
 class AREngine:
@@ -148,6 +150,9 @@ class AREngine:
                 codes = result.codes.get(seq.request_id)
                 if codes is not None:
                     update.new_codes.append([token] + codes)
+                lp = result.logprobs.get(seq.request_id)
+                if lp is not None:
+                    update.logprobs = [lp]
                 self._append_token(seq, token, update)
             updates.append(update)
         return updates

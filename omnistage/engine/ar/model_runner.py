@@ -14,6 +14,7 @@ import torch
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs, graphs_enabled
 from omnistage.engine.ar.kernels import KernelOptions, configure_kernels
+from omnistage.engine.ar.logprobs import device_rows, sample_with_logprobs, unpack
 from omnistage.engine.ar.prefill_graphs import PrefillGraphs
 from omnistage.engine.ar.sampler import SamplerState, SamplingFlags, StepSampling
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
@@ -29,6 +30,8 @@ class StepResult:
     sampled: dict[str, int]  # request_id -> new token (seqs that reached the end of their tokens)
     hidden: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, rows [n, D])
     codes: dict[str, list[int]] = field(default_factory=dict)  # request_id -> codebooks 1..K-1
+    # request_id -> {token id: logprob} of its new token (SamplingParams.logprobs)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -224,14 +227,21 @@ class ModelRunner:
             return launched.result
         batch, result, srows = launched.batch, launched.partial, launched.sample_rows
         seqs = batch.seqs
-        if launched.sampling is not None:
+        step = launched.sampling
+        if step is not None:
             drawn = self.graphs.sampled_tokens(len(seqs), launched.graph_run)
             tokens = [drawn[r] for r in srows]
-            self.sampler.commit(launched.sampling, tokens)
+            self.sampler.commit(step, tokens)
+            if step.logprob_rows:
+                packed = self.graphs.sampled_logprobs(len(step.logprob_rows), launched.graph_run)
+                lps = unpack(packed, [drawn[r] for r in step.logprob_rows], step.logprob_k)
+                result.logprobs = {seqs[r].request_id: d
+                                   for r, d in zip(step.logprob_rows, lps)}
         elif srows:
             logits = launched.logits
-            tokens = self._sample_eager([seqs[r] for r in srows],
-                                        logits[srows] if len(srows) < len(seqs) else logits)
+            tokens, lps = self._sample_eager([seqs[r] for r in srows],
+                                             logits[srows] if len(srows) < len(seqs) else logits)
+            result.logprobs = {seqs[srows[i]].request_id: d for i, d in lps.items()}
         else:
             tokens = []
         result.sampled = {seqs[r].request_id: t for r, t in zip(srows, tokens)}
@@ -270,8 +280,9 @@ class ModelRunner:
         result = StepResult({}, self._hidden_rows(batch, hidden, copy=copy))
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])
-            tokens = self._sample_eager(samplers, logits)
+            tokens, lps = self._sample_eager(samplers, logits)
             result.sampled = {s.request_id: t for s, t in zip(samplers, tokens)}
+            result.logprobs = {samplers[i].request_id: d for i, d in lps.items()}
             if self.code_groups > 1:
                 result.codes = self._residuals(samplers, hidden[sample_rows], tokens)
         return result
@@ -331,14 +342,24 @@ class ModelRunner:
                              logits=logits, inputs=rows, graph_run=run,
                              sample_hidden=sample_hidden, residual_rows=residual_rows)
 
-    def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
-        # logits: [len(samplers), V] fp32
+    def _sample_eager(self, samplers: list[Sequence], logits: torch.Tensor
+                      ) -> tuple[list[int], dict[int, dict[int, float]]]:
+        """logits: [len(samplers), V] fp32 -> their tokens, and index -> {token id: logprob}
+        for those whose params ask logprobs."""
         state = self._sampler_state(logits.shape[-1])
         step = state.prepare(samplers, list(range(len(samplers))))
         slots, steps, force = state.device_inputs(step)
-        tokens = state.sample_rows(logits, slots, steps, force, step.flags).tolist()
+        rows = device_rows(step.logprob_rows, logits.device)
+        ids, packed = sample_with_logprobs(state, logits, slots, steps, force, step.flags, rows,
+                                           max(step.logprob_k, default=0))
+        if packed is not None:  # queued before the sync of tolist() (no wait of its own)
+            packed = packed.to("cpu", non_blocking=True)
+        tokens = ids.tolist()
         state.commit(step, tokens)
-        return tokens
+        if packed is None:
+            return tokens, {}
+        lps = unpack(packed.numpy(), [tokens[r] for r in step.logprob_rows], step.logprob_k)
+        return tokens, dict(zip(step.logprob_rows, lps))
 
     @staticmethod
     def _hidden_rows(batch: ScheduledBatch, hidden: torch.Tensor, copy: bool) -> dict:

@@ -14,7 +14,7 @@ SamplingTensors it gathers hold the values the lists give (tests build them from
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -85,6 +85,16 @@ def apply_warpers(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits
 
 
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits each row draws from in sample(): penalties and bans, then for sampled rows
+    temperature and top-k/top-p/min-p (cut entries -inf); greedy rows: the penalised logits.
+    Their log-softmax is vLLM's "processed_logprobs". logits: [N, V] fp32 -> [N, V] fp32."""
+    logits = apply_penalties(logits, t)
+    if t.all_greedy:
+        return logits
+    return torch.where((t.temperature > 0)[:, None], apply_warpers(logits, t), logits)
+
+
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
     # murmur3 finaliser on values in [0, 2^32) held in int64 (products wrap; low bits stay exact)
     x = x ^ (x >> 16)
@@ -146,6 +156,8 @@ class StepSampling:
     force: list[int]  # forced id, -1 = sample
     rows: list[int]  # the rows that sample, in order
     flags: SamplingFlags
+    logprob_rows: list[int] = field(default_factory=list)  # rows whose params ask logprobs
+    logprob_k: list[int] = field(default_factory=list)  # their SamplingParams.logprobs
 
 
 def _in_range(ids, vocab: int) -> np.ndarray:
@@ -199,6 +211,9 @@ class SamplerState:
             if forced is not None and k < len(forced) and 0 <= forced[k] < V:
                 step.force[r] = forced[k]
             p = seq.params
+            if p.logprobs is not None:
+                step.logprob_rows.append(r)
+                step.logprob_k.append(p.logprobs)
             greedy &= p.greedy
             top_k |= p.top_k > 0
             top_p |= p.top_p < 1
