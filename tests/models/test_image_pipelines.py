@@ -141,14 +141,14 @@ def test_requests_joining_at_different_steps(engines, family):
             done[out.request_id] = out
 
     worker = llm.pipeline.workers[llm.stage_names[1]]
-    shared_before = sum(1 for n in worker.batch_sizes if n > 1)
+    shared_before = worker.shared_steps
     llm.runtime.submit(reqs[0], sink)
     llm.runtime.run_until(lambda: progress.get(reqs[0].request_id, 0) >= 2)
     llm.runtime.submit(reqs[1], sink)
     llm.runtime.run_until(lambda: progress.get(reqs[1].request_id, 0) >= 1)
     llm.runtime.submit(reqs[2], sink)
     llm.runtime.run_until(lambda: len(done) == 3)
-    assert sum(1 for n in worker.batch_sizes if n > 1) - shared_before >= 3
+    assert worker.shared_steps - shared_before >= 3
     for r, want in zip(reqs, alone):
         out = done[r.request_id]
         assert out.error is None

@@ -48,6 +48,7 @@ class GenStageWorker:
         self.requests: dict[str, GenRequest] = {}
         # step sizes so far, as running figures (a list would grow with every step)
         self.last_batch = self.max_batch_seen = self.num_chunks = self.num_steps = 0
+        self.shared_steps = 0  # steps that ran more than one request
         self.alone_steps = 0  # steps of first outputs that ran with the GPU to themselves
         self.busy_seconds = 0.0
         self.stalled = False
@@ -153,6 +154,7 @@ class GenStageWorker:
         self.last_batch, self.max_batch_seen = size, max(self.max_batch_seen, size)
         self.num_chunks += size
         self.num_steps += 1
+        self.shared_steps += size > 1
 
     def _pick(self, ready: Ready) -> Ready:
         """The step's batch: in order, the requests whose batch_key is the first one's, while
@@ -285,5 +287,6 @@ class GenStageWorker:
         return {"queue": len(self.requests),
                 "batch_size": self.last_batch, "max_batch_size": self.max_batch_seen,
                 "chunks": self.num_chunks, "steps": self.num_steps,
+                "shared_steps": self.shared_steps,
                 "alone_steps": self.alone_steps, "preempt_intervals": self.preempt,
                 "busy_seconds": self.busy_seconds, **self.model.stats()}
