@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,11 @@ from omnistage.runtime.orchestrator import RuntimeRequest
 
 DEFAULT_PREPARE_WORKERS = 4
 MAX_REQUEST_ID_CHARS = 128
+log = logging.getLogger("omnistage.runtime")
+
+
+class RuntimeShutDown(RuntimeError):
+    """The runtime was shut down before this request could be prepared or run."""
 
 
 class AsyncOmniLLM(OmniBase):
@@ -48,7 +54,8 @@ class AsyncOmniLLM(OmniBase):
                       output_modalities: list[str] | None = None,
                       request_id: str | None = None) -> RuntimeRequest:
         """Validate and build one request on the preparation pool. Raises ValueError (naming the
-        field) for a bad prompt or parameter; nothing reaches the runtime until run()."""
+        field) for a bad prompt or parameter, RuntimeShutDown after shutdown(); nothing reaches
+        the runtime until run()."""
         if request_id is not None and (not isinstance(request_id, str)
                                        or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS):
             raise ValueError(f"request_id: must be a string of 1..{MAX_REQUEST_ID_CHARS} "
@@ -61,10 +68,17 @@ class AsyncOmniLLM(OmniBase):
         except RuntimeError as e:  # the pool is shut down
             with self._preparing_lock:
                 self._preparing -= 1
-            raise RuntimeError("the omnistage runtime was shut down") from e
+            raise RuntimeShutDown("the omnistage runtime was shut down") from e
         # counted until the thread is done, even when the caller stops waiting
         job.add_done_callback(self._prepare_done)
-        req = (await asyncio.wrap_future(job))[0]
+        try:
+            req = (await asyncio.wrap_future(job))[0]
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if job.cancelled() and task is not None and not task.cancelling():
+                # shutdown() dropped it from the pool's queue; the caller was not cancelled
+                raise RuntimeShutDown("the omnistage runtime was shut down") from None
+            raise
         if request_id is not None:
             req.request_id = request_id
             for stage_req in req.stage_requests.values():
@@ -76,7 +90,18 @@ class AsyncOmniLLM(OmniBase):
         """Submit a request from prepare() and yield its outputs (see generate())."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
-        self.runtime.submit(req, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+
+        def sink(out: OmniRequestOutput) -> None:  # (runs on the runtime's thread)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:
+                if not loop.is_closed():
+                    raise
+                # the server stopped its loop before this runtime: nobody is left to read it
+                log.info("request %s: output dropped, its event loop is closed (finished=%s, "
+                         "error=%s)", out.request_id, out.finished, out.error)
+
+        self.runtime.submit(req, sink)
         finished = False
         try:
             while not finished:

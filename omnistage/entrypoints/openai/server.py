@@ -3,12 +3,16 @@
 Routes: POST /v1/chat/completions, POST /v1/audio/speech, POST /v1/images/generations (image
 pipelines; they answer 400 on the other two), GET /v1/models[/{id}], GET /health, GET /metrics.
 Every error is OpenAI's JSON ({"error": {message, type, param, code}}). An ASGI guard in front
-checks the API key (/v1 routes) and the body size before any route runs.
+checks the API key (/v1 routes) and the body size before any route runs. The POST routes parse
+their body themselves (a 400 naming the field, never FastAPI's 422); their pydantic models are
+still the request bodies of app.openapi(), for clients and schema-driven fuzzers.
 SIGTERM/SIGINT: stop accepting, refuse new requests with 503, let running ones finish for up
-to `shutdown_timeout` seconds, then stop the engine."""
+to `shutdown_timeout` seconds, end those left (a stream's error event `shutting_down` and
+[DONE], a 503 where no response started), then stop the engine (_DrainingServer)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import resource
@@ -19,6 +23,8 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,7 +33,7 @@ from omnistage.entrypoints.openai.metrics import RequestCounter
 from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                    SpeechRequest, error_body, parse_body)
 from omnistage.entrypoints.openai.protocol_images import ImageGenerationRequest
-from omnistage.entrypoints.openai.serving import ServerConfig, ServerState
+from omnistage.entrypoints.openai.serving import END_GRACE_SECONDS, ServerConfig, ServerState
 from omnistage.entrypoints.openai.serving_chat import OpenAIServingChat
 from omnistage.entrypoints.openai.serving_images import OpenAIServingImages
 from omnistage.entrypoints.openai.serving_speech import OpenAIServingSpeech
@@ -79,6 +85,36 @@ class _Guard:
             return msg
 
         await self.app(scope, counted, send)
+
+
+_SCHEMA_REF = "#/components/schemas/{model}"
+_BODY_MODELS = (ChatCompletionRequest, SpeechRequest, ImageGenerationRequest)
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra`: its JSON request body is `model` (in components/schemas)."""
+    ref = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _add_body_schemas(app: FastAPI) -> None:
+    """Wrap app.openapi so that components/schemas holds every _BODY_MODELS model and the models
+    they reference (the routes only name them: FastAPI sees no body parameter)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS],
+                                         ref_template=_SCHEMA_REF)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            clash = sorted(set(schemas) & set(defs["$defs"]))
+            if clash:
+                raise ValueError(f"openapi: body models named like FastAPI's schemas: {clash}")
+            schemas.update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _error(status: int, message: str, code: str, scope, receive, send) -> None:
@@ -151,22 +187,23 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
             raise APIError(400, "model: this model generates images; use "
                            "/v1/images/generations", param="model")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         not_an_image_model()
         return await chat.create(parse_body(ChatCompletionRequest, await request.body()),
                                  request)
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", openapi_extra=_json_body(SpeechRequest))
     async def audio_speech(request: Request) -> Response:
         not_an_image_model()
         return await speech.create(parse_body(SpeechRequest, await request.body()), request)
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", openapi_extra=_json_body(ImageGenerationRequest))
     async def images_generations(request: Request) -> Response:
         return await images.create(parse_body(ImageGenerationRequest, await request.body()),
                                    request)
 
+    _add_body_schemas(app)
     app.add_middleware(_Guard, config=config)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: sees the guard's too
     return app
@@ -202,6 +239,11 @@ def log_placement(llm) -> None:
 
 
 class _DrainingServer(uvicorn.Server):
+    """uvicorn's server with omnistage's shutdown, in order: stop accepting, drain for up to
+    `shutdown_timeout`, end the requests left (error event and [DONE], or 503), stop the engine
+    while this event loop still runs (the runtime thread calls back into it), then let uvicorn
+    close the connections and run the lifespan's shutdown."""
+
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.omni_state = state
@@ -214,6 +256,17 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # a drained shutdown exits 0, not by re-raising the signal
 
+    async def shutdown(self, sockets: list | None = None) -> None:
+        state = self.omni_state
+        for listener in self.servers:  # stop accepting
+            listener.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # idle keep-alive ones close now, busy ones after the response
+        await state.drain(state.config.shutdown_timeout, lambda: self.force_exit)
+        await asyncio.to_thread(state.llm.shutdown)  # (its requests are aborted or ended)
+        log.info("engine stopped")
+        await super().shutdown(sockets)
+
 
 def run_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info", access_log: bool = False) -> None:
@@ -221,14 +274,15 @@ def run_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8
     try:
         app = build_app(llm, config)
         log_placement(llm)
+        # (uvicorn's own wait comes after the drain: for connections still open then)
         uv = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=config.shutdown_timeout)
+                            timeout_graceful_shutdown=END_GRACE_SECONDS)
         server = _DrainingServer(uv, app.state.omni)
         log.info("serving %s on http://%s:%d (api key %s, max %d requests in flight)",
                  config.served_model_names, host, port, "on" if config.api_key else "off",
                  config.max_queue)
         server.run()
     finally:
-        llm.shutdown()
+        llm.shutdown()  # (done already after a drained shutdown; not after a failed start)
         log.info("stopped")

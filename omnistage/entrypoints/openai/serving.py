@@ -1,5 +1,6 @@
-"""What the chat and speech endpoints share: server state (config, admission, metrics), one
-request's output stream (watching the client), OpenAI -> SamplingParams, audio encoding."""
+"""What the chat and speech endpoints share: server state (config, admission, metrics, the
+shutdown drain), one request's output stream (watching the client), OpenAI -> SamplingParams,
+audio encoding."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import soundfile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from omnistage.entrypoints.async_llm import RuntimeShutDown
 from omnistage.entrypoints.openai.metrics import ServerMetrics, mark_outcome
 from omnistage.entrypoints.openai.protocol import APIError, StageSamplingParams
 from omnistage.outputs import OmniRequestOutput
@@ -36,6 +38,10 @@ _ENCODINGS = {
     "ogg": ("OGG", "VORBIS", False, "audio/ogg"),
 }
 _PCM_MEDIA_TYPE = "audio/pcm"
+# shutdown: after the drain deadline, how long the requests ended then have to send their last
+# bytes (an error event and [DONE], or a 503), and how often the drain looks at what is left
+END_GRACE_SECONDS = 5.0
+_DRAIN_POLL_SECONDS = 0.05
 
 
 @dataclass
@@ -67,6 +73,16 @@ class ServerConfig:
                              f"{self.max_pending_prepares}")
 
 
+class ServerShuttingDown(APIError):
+    """The server is shutting down: a request that came while draining, or one still running at
+    the drain deadline. A 503 where no response has started; a stream ends with it as its error
+    event (SSE) or ends its body (raw pcm)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is shutting down", type_="server_error",
+                         code="shutting_down")
+
+
 class ServerState:
     """Shared by the endpoints. Only touched from the event loop (no locking)."""
 
@@ -74,7 +90,9 @@ class ServerState:
         config.validate()
         self.llm, self.config = llm, config
         self.in_flight = 0
-        self.draining = False
+        self.draining = False  # refusing new requests (503)
+        self.ending = False  # past the drain deadline: the requests left are being ended
+        self.streams: set[RequestStream] = set()  # requests in the runtime, not closed yet
         self.metrics = ServerMetrics(llm, lambda: self.in_flight)
         self.voices: list[str] = sorted(llm.pipeline.voices)
         self.output_modalities: list[str] = list(llm.pipeline.output_modalities)
@@ -108,8 +126,7 @@ class ServerState:
         flight, or requests waiting for preparation). The caller must start its preparation
         (start_request) before it next awaits, so that the count it was admitted on holds."""
         if self.draining:
-            raise APIError(503, "the server is shutting down", type_="server_error",
-                           code="shutting_down")
+            raise ServerShuttingDown()
         if self.in_flight >= self.config.max_queue:
             self._refuse(f"{self.in_flight} requests in flight")
         if self.llm.preparing >= self.config.max_pending_prepares:
@@ -124,6 +141,33 @@ class ServerState:
 
     def release(self) -> None:
         self.in_flight -= 1
+
+    # ------------------------------------------------------------------ shutdown
+    async def drain(self, timeout: float, forced: Callable[[], bool]) -> None:
+        """Shutdown, on the event loop: refuse new requests, wait up to `timeout` s for those in
+        flight, then end the rest (RequestStream.end: a stream's error event and [DONE], a 503
+        where no response started) and wait up to END_GRACE_SECONDS for their last bytes to go
+        out. The caller stops the engine after this. `forced()` true: stop waiting."""
+        self.draining = True
+        await self._wait_idle(timeout, forced)
+        if not self.in_flight:
+            return
+        rids = sorted(s.rid for s in self.streams)
+        log.warning("shutdown: %d request(s) still running after the %.0f s drain; ending them "
+                    "with error 'shutting_down': %s", self.in_flight, timeout, rids)
+        self.ending = True
+        for stream in list(self.streams):
+            stream.end()
+        await self._wait_idle(END_GRACE_SECONDS, forced)
+        if self.in_flight:
+            log.warning("shutdown: %d request(s) did not end within %.0f s (preparing, or their "
+                        "client is not reading); stopping anyway", self.in_flight,
+                        END_GRACE_SECONDS)
+
+    async def _wait_idle(self, timeout: float, forced: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline and not forced():
+            await asyncio.sleep(_DRAIN_POLL_SECONDS)
 
 
 # ------------------------------------------------------------------ sampling
@@ -186,14 +230,16 @@ class ClientGone(Exception):
 class RequestStream:
     """Runs one request's async generator in its own task so that a client disconnect (polled
     every `poll` seconds) or cancel() aborts it in every stage: cancelling the task cancels
-    AsyncOmniLLM.generate, whose cleanup aborts the request in the runtime."""
+    AsyncOmniLLM.generate, whose cleanup aborts the request in the runtime. end() (server
+    shutdown) makes the consumer's next() raise ServerShuttingDown."""
 
     def __init__(self, gen: AsyncIterator[OmniRequestOutput], request: Request | None,
-                 poll: float = 0.25) -> None:
-        self.request, self.poll = request, poll
+                 poll: float = 0.25, rid: str = "") -> None:
+        self.request, self.poll, self.rid = request, poll, rid
         self.scope = request.scope if request is not None else None  # (for mark_outcome)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self.ended = False  # by end(): the server is shutting down
         self._getter: asyncio.Task | None = None
         self._next_check = time.monotonic() + poll
         self._task = asyncio.get_running_loop().create_task(self._pump(gen))
@@ -209,8 +255,10 @@ class RequestStream:
 
     async def next(self) -> OmniRequestOutput | None:
         """The next output; None after the last. Raises ValueError (bad request), ClientGone,
-        or whatever else ended the generator."""
+        ServerShuttingDown (after end()), or whatever else ended the generator."""
         while True:
+            if self.ended:
+                raise ServerShuttingDown()
             if self.request is not None and time.monotonic() >= self._next_check:
                 # checked on a clock, not only when idle: outputs may never pause
                 self._next_check = time.monotonic() + self.poll
@@ -222,11 +270,19 @@ class RequestStream:
             done, _ = await asyncio.wait({self._getter}, timeout=self.poll)
             if done:
                 item, self._getter = self._getter.result(), None
+                if self.ended:
+                    raise ServerShuttingDown()
                 if isinstance(item, Exception):
                     raise item
                 if item is not None and item.finished:
                     self.finished = True
                 return item
+
+    def end(self) -> None:
+        """The server is shutting down: next() raises ServerShuttingDown from now on, at once if
+        it is waiting. The request runs on until cancel()."""
+        self.ended = True
+        self.queue.put_nowait(None)  # wakes a waiting next()
 
     def cancel(self) -> bool:
         """Abort the request if it has not finished; True if it had to be aborted."""
@@ -243,12 +299,20 @@ async def start_request(state: ServerState, request: Request | None, prompt: Any
                         bad_request: Callable[[ValueError], APIError] = value_error
                         ) -> RequestStream:
     """Prepare the request on the engine's preparation pool (off the event loop; a ValueError
-    becomes `bad_request(e)`, a 400), then run it in a RequestStream watching `request`."""
+    becomes `bad_request(e)`, a 400), then run it in a RequestStream watching `request`
+    (ServerShuttingDown instead when the drain deadline passed meanwhile)."""
     try:
         req = await state.llm.prepare(prompt, params, modalities, request_id=rid)
     except ValueError as e:
         raise bad_request(e) from e
-    return RequestStream(state.llm.run(req), request)
+    except RuntimeShutDown as e:  # dropped from the preparation queue at shutdown
+        raise ServerShuttingDown() from e
+    if state.ending:
+        log.info("%s: not started, the server is shutting down (503)", rid)
+        raise ServerShuttingDown()
+    stream = RequestStream(state.llm.run(req), request, rid=rid)
+    state.streams.add(stream)
+    return stream
 
 
 async def first_output(stream: RequestStream) -> OmniRequestOutput:
@@ -293,17 +357,24 @@ def release_unless_handed_over(state: ServerState, stream: RequestStream | None,
     its queue slot back."""
     if not handed_over:
         if stream is not None:
-            stream.cancel()
+            state.streams.discard(stream)
+            if stream.cancel() and stream.ended:
+                log.info("%s: aborted before its response started (503): the server is "
+                         "shutting down", stream.rid)
         state.release()
 
 
 def close_stream(state: ServerState, stream: RequestStream, rid: str, endpoint: str) -> None:
     """A streamed response ended: abort the request if it was still running (the client went
-    away), and give its queue slot back."""
+    away, or the server is shutting down), and give its queue slot back."""
+    state.streams.discard(stream)
     if stream.cancel():
-        state.metrics.aborted.labels(endpoint).inc()
-        mark_outcome(stream.scope, "499")
-        log.info("%s: aborted, the client disconnected", rid)
+        if stream.ended:  # (its generator sent the error and marked the outcome)
+            log.info("%s: aborted mid-stream: the server is shutting down", rid)
+        else:
+            state.metrics.aborted.labels(endpoint).inc()
+            mark_outcome(stream.scope, "499")
+            log.info("%s: aborted, the client disconnected", rid)
     state.release()
 
 

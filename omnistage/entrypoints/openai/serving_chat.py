@@ -25,7 +25,8 @@ from omnistage.entrypoints.openai.protocol import (AudioOutputParams, ChatComple
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
                                                   client_gone, close_stream,
                                                   release_unless_handed_over,
-                                                  RequestStream, ServerState, build_sampling,
+                                                  RequestStream, ServerShuttingDown,
+                                                  ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
                                                   runtime_error, seconds, sse, start_request,
                                                   to_pcm16, usage)
@@ -237,6 +238,9 @@ class OpenAIServingChat:
         except ClientGone:
             mark_outcome(stream.scope, "499")
             return
+        except ServerShuttingDown as e:  # the drain deadline passed: end the stream in order
+            mark_outcome(stream.scope, "error")
+            yield sse(e.body())
         yield sse("[DONE]")
 
     def _reason(self, out: OmniRequestOutput) -> str:

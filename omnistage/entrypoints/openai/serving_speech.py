@@ -2,11 +2,13 @@
 input's tokens (prompt key `forced_reply`, no sampling), so the talker and code2wav voice that
 text. Formats: wav, flac, aiff, mp3, opus, ogg (whole file), pcm (streamed as it is made);
 `stream_format: "sse"` streams `speech.audio.delta` events (base64 pcm16 for pcm, else the
-whole file in one delta) and ends with `speech.audio.done` (usage, transcript)."""
+whole file in one delta) and ends with `speech.audio.done` (usage, transcript); a stream the
+server's shutdown cuts short ends with an error event and `[DONE]`."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import quote
@@ -16,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from omnistage.entrypoints.openai.metrics import mark_outcome
-from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest
+from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest, StageSamplingParams
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
                                                   client_gone, close_stream,
                                                   release_unless_handed_over,
-                                                  RequestStream, ServerState, build_sampling,
+                                                  RequestStream, ServerShuttingDown,
+                                                  ServerState, build_sampling,
                                                   collect, encode_audio, first_output, log,
                                                   runtime_error, seconds, sse, start_request,
                                                   to_pcm16)
@@ -53,7 +56,11 @@ class OpenAIServingSpeech:
             raise APIError(400, f"speed: only 1.0 is supported, got {body.speed}", param="speed")
         prompt = {"messages": [{"role": "user", "content": body.input}],
                   "forced_reply": body.input, "voice": voice}
-        params = build_sampling(st, {}, None, body.seed)
+        # at least one code: a talker whose first draw is its stop code would make no audio
+        talker = st.codec_stage
+        at_least_one = {} if talker is None else {talker: StageSamplingParams(
+            min_tokens=max(1, st.llm.pipeline.default_params[talker].min_tokens))}
+        params = build_sampling(st, {}, at_least_one, body.seed)
         rid = f"speech-{uuid.uuid4().hex}"
         st.acquire()
         stream = None
@@ -129,6 +136,8 @@ class OpenAIServingSpeech:
 
     async def _outputs(self, stream: RequestStream, first: OmniRequestOutput
                        ) -> AsyncIterator[OmniRequestOutput]:
+        """The outputs from `first` on; ends quietly when the client goes away; raises
+        ServerShuttingDown when the server ends the stream."""
         out = first
         try:
             while out is not None:
@@ -143,16 +152,30 @@ class OpenAIServingSpeech:
 
     async def _pcm(self, stream: RequestStream, first: OmniRequestOutput,
                    rid: str) -> AsyncIterator[bytes]:
-        async for out in self._outputs(stream, first):
-            if out.error:  # the status line is gone: end the body early, say it in the log
-                log.warning("%s: failed mid-stream: %s", rid, out.error)
-                mark_outcome(stream.scope, "error")
-                return
-            if out.audio is not None and len(out.audio):
-                yield to_pcm16(out.audio).tobytes()
+        try:
+            async for out in self._outputs(stream, first):
+                if out.error:  # the status line is gone: end the body early, say it in the log
+                    log.warning("%s: failed mid-stream: %s", rid, out.error)
+                    mark_outcome(stream.scope, "error")
+                    return
+                if out.audio is not None and len(out.audio):
+                    yield to_pcm16(out.audio).tobytes()
+        except ServerShuttingDown:  # raw audio has no error event: the body ends cleanly
+            mark_outcome(stream.scope, "error")
 
     async def _sse(self, stream: RequestStream, first: OmniRequestOutput, body: SpeechRequest,
                    rid: str) -> AsyncIterator[str]:
+        try:
+            async with contextlib.aclosing(self._sse_events(stream, first, body)) as events:
+                async for event in events:
+                    yield event
+        except ServerShuttingDown as e:  # the drain deadline passed: end the stream in order
+            mark_outcome(stream.scope, "error")
+            yield sse(e.body())
+            yield sse("[DONE]")
+
+    async def _sse_events(self, stream: RequestStream, first: OmniRequestOutput,
+                          body: SpeechRequest) -> AsyncIterator[str]:
         raw = body.response_format in ("pcm", "pcm16")
         chunks = []
         async for out in self._outputs(stream, first):
