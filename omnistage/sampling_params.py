@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 1024
 # the bounds of every numeric field, shared by the HTTP models and the pipeline YAML: seeds are
 # int64 (torch.Generator and the sampler's seed tensor), counts fit int32, float fields stay
 # finite and meaningful in the sampler's float32 rows
@@ -128,6 +129,8 @@ class SamplingParams:
             ids = getattr(self, name)
             if not isinstance(ids, list):
                 raise bad(name, f"must be a list of token ids, got {type(ids).__name__}")
+            if name == "stop_token_ids" and len(ids) > MAX_STOP_TOKEN_IDS:
+                raise bad(name, f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
             for i, t in enumerate(ids):  # the range: ids inside the vocabulary
                 integer(f"{name}[{i}]", t, 0, top_id)
 

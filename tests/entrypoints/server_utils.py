@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import httpx
 import numpy as np
 import openai
 import soundfile
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_NAME = "tiny-omni"
@@ -98,3 +100,28 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 def metric(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class ThreadServer:
+    """uvicorn serving `app` on a free port from a background thread of this process (tests
+    that steer the pipeline with monkeypatch)."""
+
+    def __init__(self, app) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

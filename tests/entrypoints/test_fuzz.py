@@ -19,7 +19,6 @@ import dataclasses
 import io
 import json
 import random
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -29,7 +28,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
-import uvicorn
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -38,7 +36,7 @@ from omnistage.entrypoints.async_llm import AsyncOmniLLM
 from omnistage.entrypoints.openai.server import build_app
 from omnistage.entrypoints.openai.serving import ServerConfig
 from omnistage.models.diffusion_pipeline import MAX_IMAGES, MAX_STEPS
-from tests.entrypoints.server_utils import MODEL_NAME, free_port, scrape
+from tests.entrypoints.server_utils import MODEL_NAME, ThreadServer, scrape
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
@@ -123,33 +121,23 @@ IMAGE_SIZES = ["16x16", "32x32", "48x32", "64x16", "auto", "64x64", "0x0", "15x1
 
 
 # ------------------------------------------------------------------ in-process servers
-class _ThreadServer:
-    """uvicorn serving `app` on a free port from a background thread."""
+class _ThreadServer(ThreadServer):
+    """An in-process server that counts and checks what the fuzzer sends it."""
 
     def __init__(self, app, llm: AsyncOmniLLM) -> None:
+        super().__init__(app)
         self.app, self.llm = app, llm
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.sent: Counter[str] = Counter()  # requests sent, by label
         self.statuses: Counter[tuple[str, int]] = Counter()  # (label, HTTP status)
 
     def __enter__(self) -> _ThreadServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the in-process server did not start")
-            time.sleep(0.05)
+        super().__enter__()
         self.client = httpx.Client(base_url=self.url, timeout=60)
         return self
 
     def __exit__(self, *exc) -> None:
         self.client.close()
-        self.server.should_exit = True
-        self.thread.join(30)
+        super().__exit__(*exc)
 
     def send(self, method: str, path: str, label: str, content: bytes | None = None,
              **kwargs: Any) -> httpx.Response:

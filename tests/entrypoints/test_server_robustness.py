@@ -14,41 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from omnistage.entrypoints.async_llm import AsyncOmniLLM
 from omnistage.entrypoints.openai.server import build_app
 from omnistage.entrypoints.openai.serving import ServerConfig
-from tests.entrypoints.server_utils import MODEL_NAME, free_port, metric, read_wav, scrape
+from tests.entrypoints.server_utils import (MODEL_NAME, ThreadServer, metric, read_wav,
+                                           scrape)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 CHAT = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}
 SPEECH = {"model": MODEL_NAME, "input": "Hi there", "voice": "Chelsie", "seed": 0}
 SLOW_PREPARE_S = 2.0
-
-
-class _ThreadServer:
-    """uvicorn serving `app` on a free port from a background thread."""
-
-    def __init__(self, app) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _ThreadServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the in-process server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +35,10 @@ def llm(tiny_omni_dir) -> Iterator[AsyncOmniLLM]:
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Iterator[_ThreadServer]:
+def server(llm) -> Iterator[ThreadServer]:
     config = ServerConfig(served_model_names=[MODEL_NAME], max_pending_prepares=1,
                           max_audio_seconds=30)
-    with _ThreadServer(build_app(llm, config)) as srv:
+    with ThreadServer(build_app(llm, config)) as srv:
         yield srv
 
 
@@ -82,7 +58,7 @@ def slow_prepare(llm, monkeypatch) -> threading.Event:
     return started
 
 
-def _post(server: _ThreadServer, body: dict, path: str = "/v1/chat/completions"
+def _post(server: ThreadServer, body: dict, path: str = "/v1/chat/completions"
           ) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=60)
 

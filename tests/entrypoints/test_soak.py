@@ -17,7 +17,6 @@ import dataclasses
 import gc
 import json
 import random
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,12 +27,13 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-import uvicorn
 
 from omnistage.entrypoints.async_llm import AsyncOmniLLM
 from omnistage.entrypoints.openai.server import build_app
 from omnistage.entrypoints.openai.serving import ServerConfig
-from tests.entrypoints.server_utils import MODEL_NAME, free_port, metric, read_wav, scrape
+from tests.faults import poison_talker
+from tests.entrypoints.server_utils import (MODEL_NAME, ThreadServer, metric, read_wav,
+                                           scrape)
 
 # NOTE: RSS grows over the first ~100-300 audio requests and then stays flat (oneDNN caches a
 # primitive per conv shape, the heap settles); warm-up covers most of that, so that the drift
@@ -287,30 +287,6 @@ def _check(spec: Spec, out: Outcome) -> None:
 
 
 # ------------------------------------------------------------------ the server
-class _ThreadServer:
-    """uvicorn serving `app` on a free port from a background thread of this process."""
-
-    def __init__(self, app) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _ThreadServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the in-process server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_omni_dir) -> Iterator[AsyncOmniLLM]:
     llm = AsyncOmniLLM(str(tiny_omni_dir), device="cpu", prepare_workers=2)
@@ -324,22 +300,7 @@ def llm(tiny_omni_dir) -> Iterator[AsyncOmniLLM]:
     llm.shutdown()
 
 
-def _poison_talker(llm: AsyncOmniLLM) -> dict:
-    """The talker raises on every step whose batch holds the poisoned request."""
-    runner = llm.pipeline.workers["talker"].engine.runner
-    launch, seen = runner.launch, {"raised": 0, "batch": 0}
-
-    def launch_or_raise(batch, *args, **kwargs):
-        if any(s.seed == POISON_SEED + 1 for s in batch.seqs):
-            seen["raised"] += 1
-            seen["batch"] = max(seen["batch"], len(batch.seqs))
-            raise OverflowError("injected: this request's sampling parameters overflow")
-        return launch(batch, *args, **kwargs)
-    runner.launch = launch_or_raise
-    return seen
-
-
-def _wait_idle(llm: AsyncOmniLLM, server: _ThreadServer, timeout: float = 20.0) -> dict:
+def _wait_idle(llm: AsyncOmniLLM, server: ThreadServer, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(server.url)
@@ -374,9 +335,9 @@ def test_soak_mixed_traffic(llm):
     t0 = time.monotonic()
     plan = build_plan()
     assert sum(s.poison for s in plan) == 1
-    seen = _poison_talker(llm)
+    seen = poison_talker(llm, POISON_SEED + 1)
     config = ServerConfig(served_model_names=[MODEL_NAME], max_audio_seconds=30)
-    with _ThreadServer(build_app(llm, config)) as server:
+    with ThreadServer(build_app(llm, config)) as server:
         before = _http_counts(scrape(server.url))
         results = asyncio.run(_run(server.url, plan[:NUM_WARMUP]))
         _wait_idle(llm, server)

@@ -9,6 +9,7 @@ import pytest
 
 from omnistage import OmniLLM, SamplingParams
 from omnistage.testing.tiny_omni import TINY_TALKER_EOS, tiny_omni_test_messages
+from tests.faults import poison_talker
 
 POISON = 7  # the request seed of the request whose steps raise
 
@@ -44,19 +45,7 @@ def alone(tiny_omni_dir, workload):
 
 
 def _poison_talker(llm: OmniLLM) -> dict:
-    """The talker's engine raises on any step whose batch holds the poisoned request (its
-    talker seed is the request seed + 1)."""
-    runner = llm.pipeline.workers["talker"].engine.runner
-    launch, seen = runner.launch, {"raised": 0, "batch": 0}
-
-    def launch_or_raise(batch, *args, **kwargs):
-        if any(s.seed == POISON + 1 for s in batch.seqs):
-            seen["raised"] += 1
-            seen["batch"] = max(seen["batch"], len(batch.seqs))
-            raise OverflowError("injected: this request's sampling parameters overflow")
-        return launch(batch, *args, **kwargs)
-    runner.launch = launch_or_raise
-    return seen
+    return poison_talker(llm, POISON + 1)
 
 
 def _poison_code2wav(llm: OmniLLM) -> dict:

@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omnistage.config.schema import SamplingDefaults
-from omnistage.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
+from omnistage.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
+                                       MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS)
 
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 1 << 20
@@ -107,7 +108,36 @@ class ChatCompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extra sampling fields, at the top level as vLLM's server takes them (the first
+    # stage's sampling; stage_sampling_params sets the others)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool | None = None
+    # taken as vLLM takes it; a fast tokenizer (every model here) puts no spaces between
+    # special tokens either way
+    spaces_between_special_tokens: bool | None = None
     stage_sampling_params: dict[str, StageSamplingParams] | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The first stage's SamplingParams fields this request sets (None: not set)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true",
+                           param="top_logprobs")
+        return {"temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_completion_tokens or self.max_tokens, "stop": self.stop,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "top_k": self.top_k,
+                "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": self.stop_token_ids,
+                "skip_special_tokens": self.skip_special_tokens,
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 # ------------------------------------------------------------------------- speech request

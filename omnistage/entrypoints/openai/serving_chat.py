@@ -64,11 +64,8 @@ class OpenAIServingChat:
         prompt: dict[str, Any] = {"messages": await self._messages(body.messages)}
         if voice is not None:
             prompt["voice"] = voice
-        top = {"temperature": body.temperature, "top_p": body.top_p,
-               "max_tokens": body.max_completion_tokens or body.max_tokens, "stop": body.stop,
-               "presence_penalty": body.presence_penalty,
-               "frequency_penalty": body.frequency_penalty}
-        params = build_sampling(st, top, body.stage_sampling_params, body.seed)
+        params = build_sampling(st, body.sampling_fields(), body.stage_sampling_params,
+                                body.seed)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         st.acquire()
         stream = None
@@ -78,7 +75,7 @@ class OpenAIServingChat:
             first = await first_output(stream)
             log.info("%s: chat stream=%s modalities=%s voice=%s prompt_tokens=%d", rid,
                      body.stream, modalities, voice, len(first.prompt_token_ids))
-            ctx = _Ctx(rid, body, fmt, int(time.time()))
+            ctx = _Ctx(rid, body, fmt, int(time.time()), st.llm.tokenizer)
             if body.stream:
                 handed_over = True
                 return ManagedStreamingResponse(
@@ -205,7 +202,8 @@ class OpenAIServingChat:
                                 "transcript": last.text}
         return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created,
                 "model": ctx.body.model, "system_fingerprint": None,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": ctx.logprobs(last.token_ids, last.logprobs),
                              "finish_reason": self._reason(last)}],
                 "usage": usage(last, st.codec_stage if ctx.fmt else None)}
 
@@ -223,8 +221,8 @@ class OpenAIServingChat:
                     mark_outcome(stream.scope, "error")
                     yield sse(err.body())
                     break
-                for delta in ctx.deltas(out):
-                    yield sse(ctx.chunk(delta, include_usage))
+                for delta, logprobs in ctx.deltas(out):
+                    yield sse(ctx.chunk(delta, include_usage, logprobs=logprobs))
                 if out.finished:
                     self._finished(out, ctx)
                     final = {"audio": {"id": ctx.audio_id, "expires_at": ctx.created +
@@ -259,29 +257,55 @@ class _Ctx:
     """One chat request's response identity and chunk builders."""
 
     def __init__(self, rid: str, body: ChatCompletionRequest, fmt: str | None,
-                 created: int) -> None:
+                 created: int, tokenizer: Any) -> None:
         self.rid, self.body, self.fmt, self.created = rid, body, fmt, created
+        self.tokenizer = tokenizer
         self.audio_id = "audio_" + rid.removeprefix("chatcmpl-")
+        self.pending_logprobs: list[dict[int, float]] = []  # streamed with the next text delta
 
     def chunk(self, delta: dict | None, include_usage: bool, finish: str | None = None,
-              usage: dict | None = None) -> dict[str, Any]:
+              usage: dict | None = None, logprobs: dict | None = None) -> dict[str, Any]:
         c: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk",
                              "created": self.created, "model": self.body.model,
                              "system_fingerprint": None,
                              "choices": [] if delta is None else
-                             [{"index": 0, "delta": delta, "logprobs": None,
+                             [{"index": 0, "delta": delta, "logprobs": logprobs,
                                "finish_reason": finish}]}
         if include_usage:
             c["usage"] = usage
         return c
 
-    def deltas(self, out: OmniRequestOutput) -> list[dict[str, Any]]:
-        """Text (or transcript) delta, then the audio chunk as base64 pcm16."""
-        deltas = []
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None
+                 ) -> dict[str, Any] | None:
+        """OpenAI's `choices[].logprobs` for these tokens (their engine logprobs: the token's
+        own first, then the top ones); None when the request asked for none."""
+        if not self.body.logprobs or logprobs is None:
+            return None
+        k = self.body.top_logprobs or 0
+        content = []
+        for token, lps in zip(token_ids[len(token_ids) - len(logprobs):], logprobs):
+            top = sorted(lps.items(), key=lambda item: -item[1])[:k]
+            content.append({**self._token(token, lps[token]),
+                            "top_logprobs": [self._token(t, lp) for t, lp in top]})
+        return {"content": content, "refusal": None}
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        # -inf (a token the processing had cut, e.g. a forced one) as vLLM writes it
+        return {"token": text, "logprob": max(logprob, -9999.0),
+                "bytes": list(text.encode("utf-8"))}
+
+    def deltas(self, out: OmniRequestOutput) -> list[tuple[dict[str, Any], dict | None]]:
+        """(delta, its logprobs): the text (or transcript) delta, then the audio chunk as base64
+        pcm16. Tokens whose text is held back keep their logprobs for the next text delta."""
+        deltas: list[tuple[dict[str, Any], dict | None]] = []
+        self.pending_logprobs += out.logprobs_delta or []
         if out.text_delta:
-            deltas.append({"audio": {"id": self.audio_id, "transcript": out.text_delta}}
-                          if self.fmt else {"content": out.text_delta})
+            lps = self.logprobs(out.token_ids, self.pending_logprobs)
+            self.pending_logprobs = []
+            deltas.append(({"audio": {"id": self.audio_id, "transcript": out.text_delta}}
+                           if self.fmt else {"content": out.text_delta}, lps))
         if self.fmt and out.audio is not None and len(out.audio):
             data = base64.b64encode(to_pcm16(out.audio).tobytes()).decode()
-            deltas.append({"audio": {"id": self.audio_id, "data": data}})
+            deltas.append(({"audio": {"id": self.audio_id, "data": data}}, None))
         return deltas
