@@ -47,6 +47,7 @@ MAX_REQUEST_BYTES = 256 << 10
 IMAGE_NAME = "tiny-z-image"
 IMAGE_MAX_SIDE = 64
 CHAT, SPEECH, IMAGES = "/v1/chat/completions", "/v1/audio/speech", "/v1/images/generations"
+COMPLETIONS = "/v1/completions"
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 # no shrinking: a failure names its request, and shrinking through a server takes minutes
@@ -388,8 +389,8 @@ def _fuzz_invalid(target: _Target) -> None:
 # ------------------------------------------------------------------ the schema itself
 def test_openapi_types_every_request_body(omni):
     spec = omni.app.openapi()
-    models = {CHAT: "ChatCompletionRequest", SPEECH: "SpeechRequest",
-              IMAGES: "ImageGenerationRequest"}
+    models = {CHAT: "ChatCompletionRequest", COMPLETIONS: "CompletionRequest",
+              SPEECH: "SpeechRequest", IMAGES: "ImageGenerationRequest"}
     posts = {p for p, ops in spec["paths"].items() if "post" in ops}
     assert posts == set(models), "a new POST endpoint: add it to the fuzz tests below"
     for path, name in models.items():
@@ -423,6 +424,18 @@ def test_fuzz_chat(omni, fuzz):
 
 
 @pytest.mark.parametrize("fuzz", [_fuzz_valid, _fuzz_invalid], ids=["valid", "invalid"])
+def test_fuzz_completions(omni, fuzz):
+    fuzz(_Target(omni, COMPLETIONS, _completion_fixes(omni)))
+
+
+def _completion_fixes(srv: _ThreadServer) -> dict[str, Callable[[Any, random.Random], Any]]:
+    fixes = _chat_fixes(srv)
+    # a few short prompts, as text or small token ids (the tiny vocabulary)
+    fixes["prompt"] = lambda v, rng: rng.choice(["Hello", ["Hi", "Yes"], [5, 6, 7], [[8, 9]]])
+    return fixes
+
+
+@pytest.mark.parametrize("fuzz", [_fuzz_valid, _fuzz_invalid], ids=["valid", "invalid"])
 def test_fuzz_speech(omni, fuzz):
     fuzz(_speech(omni))
 
@@ -451,6 +464,7 @@ def test_other_posts_on_each_server(omni, images):
     _fuzz_cross(omni, IMAGES, MODEL_NAME)
     _fuzz_cross(images, CHAT, IMAGE_NAME)
     _fuzz_cross(images, SPEECH, IMAGE_NAME)
+    _fuzz_cross(images, COMPLETIONS, IMAGE_NAME)
 
 
 # ------------------------------------------------------------------ GET routes, any method

@@ -132,7 +132,8 @@ class ServerMetrics:
 # where a handler records how a response with a 200 status line ended, when not in full:
 # "error" (an error event in the stream) or "499" (the client went away)
 OUTCOME_KEY = "omnistage.outcome"
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech",
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+              "/v1/audio/speech": "speech",
               "/v1/images/generations": "images"}
 _UNCOUNTED = {"/health", "/metrics"}  # probes and scrapes
 

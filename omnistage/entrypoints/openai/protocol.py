@@ -91,15 +91,14 @@ class StageSamplingParams(SamplingDefaults):
     seed: Seed | None = None
 
 
-class ChatCompletionRequest(_Strict):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    modalities: list[Literal["text", "audio"]] | None = None
-    audio: AudioOutputParams | None = None
+class _SamplingFields(_Strict):
+    """The sampling fields chat and text completions share: OpenAI's, then vLLM's extra ones
+    at the top level as vLLM's server takes them (the first stage's sampling;
+    stage_sampling_params sets the others)."""
+
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -108,10 +107,6 @@ class ChatCompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's extra sampling fields, at the top level as vLLM's server takes them (the first
-    # stage's sampling; stage_sampling_params sets the others)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
@@ -124,20 +119,58 @@ class ChatCompletionRequest(_Strict):
     spaces_between_special_tokens: bool | None = None
     stage_sampling_params: dict[str, StageSamplingParams] | None = None
 
-    def sampling_fields(self) -> dict[str, Any]:
+    def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """The first stage's SamplingParams fields this request sets (None: not set)."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs set to true",
-                           param="top_logprobs")
-        return {"temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_completion_tokens or self.max_tokens, "stop": self.stop,
-                "presence_penalty": self.presence_penalty,
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": max_tokens,
+                "stop": self.stop, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "top_k": self.top_k,
                 "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
                 "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
                 "stop_token_ids": self.stop_token_ids,
-                "skip_special_tokens": self.skip_special_tokens,
-                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+                "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutputParams | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def chat_sampling_fields(self) -> dict[str, Any]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true",
+                           param="top_logprobs")
+        return self.sampling_fields(self.max_completion_tokens or self.max_tokens,
+                                    (self.top_logprobs or 0) if self.logprobs else None)
+
+
+MAX_PROMPTS = 64  # prompts per /v1/completions request
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions (OpenAI's legacy text completions): one choice per prompt."""
+
+    model: str
+    prompt: (Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+             | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]
+             | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: TokenCount | None = 16  # OpenAI's default
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 # ------------------------------------------------------------------------- speech request

@@ -31,9 +31,11 @@ from starlette.responses import JSONResponse, Response
 
 from omnistage.entrypoints.openai.metrics import RequestCounter
 from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
+                                                   CompletionRequest,
                                                    SpeechRequest, error_body, parse_body)
 from omnistage.entrypoints.openai.protocol_images import ImageGenerationRequest
 from omnistage.entrypoints.openai.serving import END_GRACE_SECONDS, ServerConfig, ServerState
+from omnistage.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from omnistage.entrypoints.openai.serving_chat import OpenAIServingChat
 from omnistage.entrypoints.openai.serving_images import OpenAIServingImages
 from omnistage.entrypoints.openai.serving_speech import OpenAIServingSpeech
@@ -88,7 +90,8 @@ class _Guard:
 
 
 _SCHEMA_REF = "#/components/schemas/{model}"
-_BODY_MODELS = (ChatCompletionRequest, SpeechRequest, ImageGenerationRequest)
+_BODY_MODELS = (ChatCompletionRequest, CompletionRequest, SpeechRequest,
+                ImageGenerationRequest)
 
 
 def _json_body(model: type[BaseModel]) -> dict:
@@ -129,7 +132,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     if processor is not None and hasattr(processor, "allow_local_paths"):
         processor.allow_local_paths = config.allow_local_media  # no file reads from requests
     chat, speech = OpenAIServingChat(state), OpenAIServingSpeech(state)
-    images = OpenAIServingImages(state)
+    images, text = OpenAIServingImages(state), OpenAIServingCompletions(state)
     created = int(time.time())
 
     @asynccontextmanager
@@ -192,6 +195,11 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         not_an_image_model()
         return await chat.create(parse_body(ChatCompletionRequest, await request.body()),
                                  request)
+
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        not_an_image_model()
+        return await text.create(parse_body(CompletionRequest, await request.body()), request)
 
     @app.post("/v1/audio/speech", openapi_extra=_json_body(SpeechRequest))
     async def audio_speech(request: Request) -> Response:

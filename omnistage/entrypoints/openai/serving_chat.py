@@ -64,7 +64,7 @@ class OpenAIServingChat:
         prompt: dict[str, Any] = {"messages": await self._messages(body.messages)}
         if voice is not None:
             prompt["voice"] = voice
-        params = build_sampling(st, body.sampling_fields(), body.stage_sampling_params,
+        params = build_sampling(st, body.chat_sampling_fields(), body.stage_sampling_params,
                                 body.seed)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         st.acquire()
