@@ -38,7 +38,9 @@ def row_logprobs(state: SamplerState, logits: torch.Tensor, slots: torch.Tensor,
     """Processed logprobs and top-k of `rows` [L] long of a step's logits [N, V] fp32 (slots,
     steps [N] long, as sample_rows takes them). Call before sample_rows of the same step.
     Capturable: no host sync. k: how many top tokens (clamped to V)."""
-    assert logits.shape[-1] <= 1 << 24, "logprobs: token ids must be exact in fp32"
+    if logits.shape[-1] > 1 << 24:  # (a static shape: no sync)
+        raise ValueError(f"logprobs: a vocabulary of {logits.shape[-1]} ids is not exact in the "
+                         "fp32 buffer that carries them (at most 2^24)")
     t = state.tensors(slots[rows], steps[rows], flags)
     lp = processed_logits(logits[rows].float(), t).log_softmax(dim=-1)
     k = min(k, lp.shape[-1])

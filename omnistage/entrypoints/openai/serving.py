@@ -421,6 +421,18 @@ def encode_audio(x: np.ndarray, sample_rate: int, fmt: str) -> tuple[bytes, str]
     return buf.getvalue(), media
 
 
+def finish_reason(state: ServerState, out: OmniRequestOutput) -> str:
+    """OpenAI's finish_reason of a text answer: the first stage's stop or length."""
+    so = out.stages.get(state.first_stage)
+    reason = so.finish_reason if so is not None else None
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def token_logprob(tokenizer: Any, token: int, logprob: float) -> tuple[str, float]:
+    """(the token's text, its logprob with -inf written as vLLM writes it: -9999.0)."""
+    return tokenizer.decode([token], skip_special_tokens=False), max(logprob, -9999.0)
+
+
 def usage(out: OmniRequestOutput, audio_stage_tokens: str | None) -> dict[str, Any]:
     """OpenAI usage; the talker's codec codes count as audio completion tokens."""
     text_tokens = len(out.token_ids)

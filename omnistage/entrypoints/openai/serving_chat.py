@@ -22,7 +22,8 @@ from omnistage.entrypoints.openai.metrics import mark_outcome
 from omnistage.entrypoints.openai.protocol import (AudioOutputParams, ChatCompletionRequest,
                                                    ChatMessage, ImageURLPart, InputAudioPart,
                                                    TextPart, APIError, VideoURLPart)
-from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
+from omnistage.entrypoints.openai.serving import (finish_reason, token_logprob,
+                                                  ClientGone, ManagedStreamingResponse,
                                                   client_gone, close_stream,
                                                   release_unless_handed_over,
                                                   RequestStream, ServerShuttingDown,
@@ -242,9 +243,7 @@ class OpenAIServingChat:
         yield sse("[DONE]")
 
     def _reason(self, out: OmniRequestOutput) -> str:
-        so = out.stages.get(self.state.first_stage)
-        reason = so.finish_reason if so is not None else None
-        return reason if reason in ("stop", "length") else "stop"
+        return finish_reason(self.state, out)
 
     def _finished(self, out: OmniRequestOutput, ctx: _Ctx) -> None:
         self.state.metrics.observe_finished("chat", out)
@@ -290,10 +289,8 @@ class _Ctx:
         return {"content": content, "refusal": None}
 
     def _token(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.tokenizer.decode([token], skip_special_tokens=False)
-        # -inf (a token the processing had cut, e.g. a forced one) as vLLM writes it
-        return {"token": text, "logprob": max(logprob, -9999.0),
-                "bytes": list(text.encode("utf-8"))}
+        text, logprob = token_logprob(self.tokenizer, token, logprob)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def deltas(self, out: OmniRequestOutput) -> list[tuple[dict[str, Any], dict | None]]:
         """(delta, its logprobs): the text (or transcript) delta, then the audio chunk as base64

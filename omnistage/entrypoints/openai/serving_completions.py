@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 
 from omnistage.entrypoints.openai.metrics import mark_outcome
 from omnistage.entrypoints.openai.protocol import APIError, CompletionRequest
-from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
+from omnistage.entrypoints.openai.serving import (finish_reason, token_logprob,
+                                                  ClientGone, ManagedStreamingResponse,
                                                   RequestStream, ServerShuttingDown,
                                                   ServerState, build_sampling, client_gone,
                                                   close_stream, collect, first_output, log,
@@ -158,24 +159,21 @@ class OpenAIServingCompletions:
         top_logprobs ({token: logprob} of the top `logprobs` ones), text_offset."""
         if body.logprobs is None or logprobs is None:
             return None
-        decode = self.state.llm.tokenizer.decode
+        tok = self.state.llm.tokenizer
         tokens, token_lps, tops, offsets, at = [], [], [], [], 0
         for token, lps in zip(token_ids[len(token_ids) - len(logprobs):], logprobs):
-            text = decode([token], skip_special_tokens=False)
+            text, lp = token_logprob(tok, token, lps[token])
             tokens.append(text)
-            token_lps.append(max(lps[token], -9999.0))  # -inf as vLLM writes it
+            token_lps.append(lp)
             top = sorted(lps.items(), key=lambda item: -item[1])[:body.logprobs]
-            tops.append({decode([t], skip_special_tokens=False): max(lp, -9999.0)
-                         for t, lp in top})
+            tops.append(dict(token_logprob(tok, t, v) for t, v in top))
             offsets.append(at)
             at += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def _reason(self, out: OmniRequestOutput) -> str:
-        so = out.stages.get(self.state.first_stage)
-        reason = so.finish_reason if so is not None else None
-        return reason if reason in ("stop", "length") else "stop"
+        return finish_reason(self.state, out)
 
     def _finished(self, out: OmniRequestOutput, rid: str) -> None:
         self.state.metrics.observe_finished("completions", out)
