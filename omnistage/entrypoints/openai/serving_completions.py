@@ -50,11 +50,17 @@ class OpenAIServingCompletions:
         created = int(time.time())
         if body.stream:
             return await self._stream(body, prompts[0], params, rid, created, request)
-        outs = await asyncio.gather(*(self._one(body, p, params, f"{rid}-{i}", request)
-                                      for i, p in enumerate(prompts)))
+        tasks = [asyncio.ensure_future(self._one(body, p, params, f"{rid}-{i}", request))
+                 for i, p in enumerate(prompts)]
+        try:
+            outs = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt failed (or the handler was cancelled): stop the rest
+            for task in tasks:
+                task.cancel()
+            raise
         if any(out is None for out in outs):
             return client_gone(st, rid, "completions")
-        choices = [{"index": i, "text": self._echo(body, p, out) + out.text,
+        choices = [{"index": i, "text": self._echo(body, p) + out.text,
                     "logprobs": self._logprobs(body, out.token_ids, out.logprobs),
                     "finish_reason": self._reason(out)}
                    for i, (p, out) in enumerate(zip(prompts, outs))]
@@ -118,7 +124,7 @@ class OpenAIServingCompletions:
         out, pending = first, []
         try:
             if body.echo:
-                yield chunk(self._echo(body, prompt, first))
+                yield chunk(self._echo(body, prompt))
             while out is not None:
                 if out.error:
                     mark_outcome(stream.scope, "error")
@@ -146,8 +152,7 @@ class OpenAIServingCompletions:
     def _prompt(prompt: str | list[int]) -> Any:
         return prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
 
-    def _echo(self, body: CompletionRequest, prompt: str | list[int],
-              out: OmniRequestOutput) -> str:
+    def _echo(self, body: CompletionRequest, prompt: str | list[int]) -> str:
         if not body.echo:
             return ""
         return prompt if isinstance(prompt, str) else \
