@@ -14,6 +14,7 @@ from omnistage.checkpoint import (eos_token_ids, iter_tensors, load_generation_c
 from omnistage.config.schema import PipelineConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
+from omnistage.models.fp8_decoder import quantize_decoder
 from omnistage.models.layers import DecoderForCausalLM
 from omnistage.models.registry import (ADAPTER_REGISTRY, CAUSAL_LM_PIPELINE, STAGE_BUILDERS,
                                        register_model, register_pipeline, register_stage,
@@ -21,7 +22,7 @@ from omnistage.models.registry import (ADAPTER_REGISTRY, CAUSAL_LM_PIPELINE, STA
 from omnistage.prompts import text_prompt_ids
 from omnistage.runtime.build import (StageContext, build_ar_engine, build_model, build_stage_worker,
                                      build_stages, generation_defaults, new_request_id,
-                                     resolve_seed, stage_engine_config)
+                                     pop_load_options, resolve_seed, stage_engine_config)
 from omnistage.runtime import startup
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
@@ -37,6 +38,8 @@ def build_causal_lm(ctx: StageContext) -> ARStageWorker:
     with startup.phase("weights"):
         model = build_model(model_cls, ctx.config, iter_tensors(ctx.path, ctx.prefix("")),
                             ctx.device, ctx.dtype)
+        if ctx.options.get("quantization") == "fp8":
+            quantize_decoder(model)
     tokenizer = load_tokenizer(ctx.path)
     cfg = stage_engine_config(ctx.config.get("max_position_embeddings", 32768),
                               ctx.options["engine"], ctx.stage.engine)
@@ -67,7 +70,12 @@ class CausalLMPipeline:
                 raise ValueError(f"stages[{i}].inputs: a stage after the LM has one input")
         self.config, self.name = pipeline, first.name
         engine = dict(engine_options)
-        options = {"stage_worker": pop_stage_worker(engine), "engine": engine}
+        load = pop_load_options(engine)
+        if load["load_format"] != "safetensors":
+            raise ValueError("load_format: a causal LM loads its safetensors weights "
+                             f"(got {load['load_format']!r})")
+        options = {"stage_worker": pop_stage_worker(engine), "engine": engine,
+                   "quantization": load["quantization"]}
         resolve_architecture(config.get("architectures") or [])
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = config["vocab_size"]

@@ -237,6 +237,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._gemv_tuned: bool | None = None  # gemv_tuned(), once the weights are fused
         self.kernels = KernelOptions()  # the engine's runner sets its own (configure_kernels)
+        self.fp8 = None  # Fp8LayerWeights once quantised (models/fp8_decoder.py)
 
     def fuse(self) -> None:
         """After loading and casting: fused q/k/v and gate/up weights (fewer, larger GEMMs)."""
@@ -268,6 +269,9 @@ class DecoderLayer(nn.Module):
         return _triton_ok(x.device) and self.gemv_tuned()
 
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        if self.fp8 is not None:  # weight-only FP8 projections
+            from omnistage.models.fp8_decoder import fp8_layer_forward  # (it imports this)
+            return fp8_layer_forward(self, x, cos, sin, batch)
         a, m, opts = self.self_attn, self.mlp, self.kernels
         if not hasattr(self, "w_qkv"):
             self.fuse()

@@ -118,18 +118,23 @@ def _mac(acc, xk, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
         if DOT_F32:
             return tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                           input_precision="ieee")
-        return tl.dot(xk, tl.trans(w), acc)
+        return tl.dot(xk, tl.trans(w.to(xk.dtype)), acc)  # fp8 W: upcast to x's dtype
     prod = w.to(tl.float32)[None, :, :] * xk.to(tl.float32)[:, None, :]
     return acc + tl.sum(prod, axis=2)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr):
+def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, scale_ptr, stride_rm,
+              stride_om, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+              HAS_SCALE: tl.constexpr):
     # acc/acc_up: [M_PAD, BLOCK_N] fp32 sums of rows rm, columns rn -> out (dtype)
     ty = out_ptr.dtype.element_ty
     n_ok = rn < N
     mask = (rm < M)[:, None] & n_ok[None, :]
+    if HAS_SCALE:  # fp8 W: its per-row scale applies to the whole sum (before the bias)
+        acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up *= tl.load(scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
@@ -179,11 +184,12 @@ def _tile_mac(acc, acc_up, w, w_up, x_rows, ln_ptr, rstd, kk, K, m_ok,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, count_ptr, scale_ptr,
     M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_rm, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    HAS_RES: tl.constexpr, SPLITS: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -235,12 +241,12 @@ def _gemv_kernel(
             done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if done == SPLITS - 1:
                 acc, acc_up = _sum_partials(part_ptr, rm, rn, M, N, SPLITS, SILU_MUL, True)
-                _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm,
-                          stride_om, HAS_BIAS, SILU_MUL, HAS_RES)
+                _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, scale_ptr,
+                          stride_rm, stride_om, HAS_BIAS, SILU_MUL, HAS_RES, HAS_SCALE)
                 tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # next use
     else:
-        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                  HAS_BIAS, SILU_MUL, HAS_RES)
+        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, scale_ptr, stride_rm,
+                  stride_om, HAS_BIAS, SILU_MUL, HAS_RES, HAS_SCALE)
 
 
 @triton.jit
@@ -267,9 +273,10 @@ def _sum_partials(part_ptr, rm, rn, M, N, S, SILU_MUL: tl.constexpr, L2_ONLY: tl
 
 @triton.jit
 def _reduce_kernel(
-    part_ptr, b_ptr, res_ptr, out_ptr, M, N, S, stride_rm, stride_om,
+    part_ptr, b_ptr, res_ptr, out_ptr, scale_ptr, M, N, S, stride_rm, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     # grid (cdiv(N, BLOCK_N),): sums the S partials in order, then the epilogue
@@ -277,8 +284,8 @@ def _reduce_kernel(
     rm = tl.arange(0, M_PAD)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc, acc_up = _sum_partials(part_ptr, rm, rn, M, N, S, SILU_MUL, False)
-    _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-              HAS_BIAS, SILU_MUL, HAS_RES)
+    _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, res_ptr, out_ptr, scale_ptr, stride_rm,
+              stride_om, HAS_BIAS, SILU_MUL, HAS_RES, HAS_SCALE)
 
 
 # Split K (fused_reduce, the default): the last split of each N tile to finish sums the
@@ -308,15 +315,21 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.Tensor | None,
           eps: float, residual: torch.Tensor | None, silu: bool,
-          config: GemvConfig | None, pdl: bool, fused_reduce: bool) -> torch.Tensor:
+          config: GemvConfig | None, pdl: bool, fused_reduce: bool,
+          scale: torch.Tensor | None = None) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected [M, K] and [N, K]")
     M, K = x.shape
     n_rows = w.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"x: {M} rows; these GEMVs take at most {MAX_ROWS}")
-    if x.dtype != w.dtype or not x.dtype.is_floating_point:
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x dtype {x.dtype}: expected a float type")
+    if scale is None and x.dtype != w.dtype:
         raise ValueError(f"x dtype {x.dtype} and w dtype {w.dtype} must be the same float type")
+    if scale is not None:  # weight-only FP8 (layers/fp8.py): e4m3 rows * fp32 row scales
+        _check("w", w, tuple(w.shape), torch.float8_e4m3fn)
+        _check("scale", scale, (n_rows,), torch.float32)
     if silu and n_rows % 2:
         raise ValueError(f"w_gate_up: {n_rows} rows, expected 2 * F")
     N = n_rows // 2 if silu else n_rows
@@ -331,7 +344,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or pick_config(n_rows, K, M, x.dtype, silu, ln_w is not None, x.device)
+    cfg = config or pick_config(n_rows, K, M, w.dtype, silu, ln_w is not None, x.device)
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(K, k_split)
     m_pad = 16 if cfg.use_dot else triton.next_power_of_2(M)
@@ -341,12 +354,13 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     dummy = out  # stands in for absent pointers (never read: constexpr-guarded)
     res = residual if residual is not None else dummy
     flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None,
-                 **pdl_kwargs(x.device, pdl))
+                 HAS_SCALE=scale is not None, **pdl_kwargs(x.device, pdl))
+    scale_arg = scale if scale is not None else dummy
     n_tiles = triton.cdiv(N, cfg.block_n)
     fused = splits > 1 and fused_reduce
     _gemv_kernel[(n_tiles, splits)](
         x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, out,
-        part, _arrival_counts(w, n_tiles) if fused else out,
+        part, _arrival_counts(w, n_tiles) if fused else out, scale_arg,
         M, N, K, k_split, float(eps), x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_K=max(16, min(triton.next_power_of_2(K), 8192 // m_pad)),
@@ -358,37 +372,43 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
         m_red = triton.next_power_of_2(M)
         block = max(16, 1024 // m_red)
         _reduce_kernel[(triton.cdiv(N, block),)](
-            part, b if b is not None else dummy, res, out, M, N, splits, res.stride(0),
+            part, b if b is not None else dummy, res, out, scale_arg, M, N, splits, res.stride(0),
             out.stride(0), M_PAD=m_red, BLOCK_N=block, num_warps=4, **flags)
     return out
 
 
 def norm_gemv(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor,
               b: torch.Tensor | None = None, config: GemvConfig | None = None, *,
-              pdl: bool = True, fused_reduce: bool = True) -> torch.Tensor:
+              pdl: bool = True, fused_reduce: bool = True,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
     """rms_norm(x, ln_w, eps) @ w.T + b, as layers.attention_qkv.
 
     x: [M, K]; ln_w: [K]; w: [N, K]; b: [N] -> [M, N], all one float dtype (fp32 accumulation).
+    scale [N] fp32: w is float8 e4m3 and its row n counts scale[n] times (weight-only FP8).
     """
-    return _gemv(x, w, b, ln_w, eps, None, False, config, pdl, fused_reduce)
+    return _gemv(x, w, b, ln_w, eps, None, False, config, pdl, fused_reduce, scale)
 
 
 def norm_gemv_silu_mul(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
                        b: torch.Tensor | None = None,
                        config: GemvConfig | None = None, *, pdl: bool = True,
-                       fused_reduce: bool = True) -> torch.Tensor:
+                       fused_reduce: bool = True,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up with gate, up = (rms_norm(x) @ w_gate_up.T + b).chunk(2, -1).
 
     x: [M, K]; ln_w: [K]; w_gate_up: [2F, K] (gate rows, then up rows); b: [2F] -> [M, F].
+    scale [2F]: as norm_gemv's.
     """
-    return _gemv(x, w_gate_up, b, ln_w, eps, None, True, config, pdl, fused_reduce)
+    return _gemv(x, w_gate_up, b, ln_w, eps, None, True, config, pdl, fused_reduce, scale)
 
 
 def gemv_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
                   b: torch.Tensor | None = None, config: GemvConfig | None = None, *,
-                  pdl: bool = True, fused_reduce: bool = True) -> torch.Tensor:
+                  pdl: bool = True, fused_reduce: bool = True,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """residual + (x @ w.T + b), the linear's output rounded to the dtype before the add.
 
     x: [M, K]; w: [N, K]; residual: [M, N]; b: [N] -> [M, N] (a new tensor).
+    scale [N]: as norm_gemv's.
     """
-    return _gemv(x, w, b, None, 0.0, residual, False, config, pdl, fused_reduce)
+    return _gemv(x, w, b, None, 0.0, residual, False, config, pdl, fused_reduce, scale)

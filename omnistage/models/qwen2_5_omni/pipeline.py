@@ -12,6 +12,7 @@ import torch
 
 from omnistage.config.schema import PipelineConfig
 from omnistage.engine.ar.sequence import Sequence
+from omnistage.models.fp8_decoder import quantize_decoder
 from omnistage.models.qwen2_5_omni.code2wav_options import pop_code2wav_options
 from omnistage.engine.gen import GenStageWorker
 from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, build_code2wav_stage
@@ -37,6 +38,8 @@ def build_thinker(ctx: StageContext) -> ARStageWorker:
     tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(ctx.path).tokenizer
     model = build_stage_model(Qwen2_5OmniThinkerForCausalLM, ctx.config["thinker_config"], ctx,
                               "thinker.")
+    if ctx.options.get("quantization") == "fp8":  # the LM's projections; encoders stay 16-bit
+        quantize_decoder(model)
     return thinker_worker(ctx, model, tokenizer)
 
 
@@ -94,9 +97,9 @@ class Qwen2_5OmniPipeline(ThinkerTalkerPipeline):
             raise ValueError(f"talker_handoff: {handoff!r}; one of {HANDOFFS}")
         # code2wav_*: the code2wav stage's engine and model options (code2wav_options.py)
         options = cls.split_options(opts, pop_code2wav_options)
-        if options["load_format"] != "safetensors" or options["quantization"] is not None:
-            raise ValueError("load_format / quantization: Qwen2.5-Omni loads its safetensors "
-                             "weights as they are (no dummy weights, no quantization yet)")
+        if options["load_format"] != "safetensors":
+            raise ValueError("load_format: Qwen2.5-Omni loads its safetensors weights (no "
+                             "dummy weights)")
         return {"talker_handoff": handoff, **options}
 
     # ---------------------------------------------------------------- requests

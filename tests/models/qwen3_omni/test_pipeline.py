@@ -277,7 +277,7 @@ def test_dummy_weights_and_fp8_experts(tiny_qwen3_omni_dir, tiny_omni_dir):
     with pytest.raises(ValueError, match="load_format"):
         OmniLLM(str(tiny_qwen3_omni_dir), device="cpu", load_format="npz")
     with pytest.raises(ValueError, match="quantization"):
-        OmniLLM(str(tiny_omni_dir), device="cpu", quantization="fp8")
+        OmniLLM(str(tiny_omni_dir), device="cpu", quantization="int4")
 
 
 def test_graph_decode_path_equals_transformers(hf, tiny_qwen3_omni_dir):
