@@ -63,7 +63,10 @@ TARGETS = {"ttfa_s_c1": 0.25, "rtf_c1": 0.10, "audio_s_per_s_c32": 65.0}
 def real_config():
     from transformers import Qwen2_5OmniConfig
     return Qwen2_5OmniConfig(
-        thinker_config=dict(vision_start_token_id=151652, vision_end_token_id=151653),
+        # the released vision tower (1280 wide; transformers' default config is 3584 wide)
+        thinker_config=dict(vision_start_token_id=151652, vision_end_token_id=151653,
+                            vision_config=dict(hidden_size=1280, intermediate_size=3420,
+                                               depth=32, num_heads=16, out_hidden_size=3584)),
         talker_config=dict(vision_start_token_id=151652, hidden_size=896, num_hidden_layers=24,
                            num_attention_heads=12, num_key_value_heads=4, head_dim=128,
                            intermediate_size=18944, embedding_size=3584, vocab_size=8448),
@@ -89,7 +92,7 @@ def small_config(tok):
 
 def build_checkpoint(out: Path, small: bool, dev: torch.device) -> dict:
     """Random checkpoint in the released layout; reused when its marker matches."""
-    args = {"version": 1, "small": small}
+    args = {"version": 2, "small": small}  # 2: the released vision tower's width
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == args:
         return {"reused": True}
@@ -526,6 +529,25 @@ def same_weights_ratios(runs: dict, hf_jsons: list[str]) -> dict:
     return out
 
 
+class NvmlPeak:
+    """The device's peak memory in use as NVML reports it (nvidia-smi polled every 50 ms on a
+    thread): the context and workspaces included, unlike the caching allocator's peak."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import threading
+        self.peak = 0
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+             "-lms", "50", "-i", "0"], stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            if line.strip().isdigit():
+                self.peak = max(self.peak, int(line) * 2**20)  # MiB
+
+
 def sync_dev(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -535,6 +557,7 @@ async def main_async(args, res: dict, save) -> None:
     dev = torch.device(args.device or ("cpu" if args.small else "cuda"))
     profile_host = {n for n in args.profile_host.split(",") if n}
     ckpt = Path(args.ckpt)
+    nvml = NvmlPeak() if dev.type == "cuda" else None  # the whole device, as NVML counts it
     t0 = time.perf_counter()
     if args.profile_code2wav:
         profile_code2wav(res, args.small, dev)
@@ -579,8 +602,13 @@ async def main_async(args, res: dict, save) -> None:
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
                        code2wav_window=window, code2wav_dit_dtype=args.code2wav_dtype,
                        code2wav_vocoder_dtype=args.code2wav_vocoder_dtype,
-                       code2wav_free_sms=args.code2wav_free_sms)
+                       code2wav_free_sms=args.code2wav_free_sms,
+                       **({"quantization": args.quantization} if args.quantization else {}),
+                       **({"gpu_memory_budget": args.gpu_memory_budget}
+                          if args.gpu_memory_budget else {}))
     res["load_s"] = round(time.perf_counter() - t1, 1)
+    res["startup_phases_s"] = {k: round(v, 2) for k, v in llm.startup_seconds.items()}
+    res["quantization"], res["gpu_memory_budget_GiB"] = args.quantization, args.gpu_memory_budget
     c2w = llm.pipeline.workers.get("code2wav")
     if getattr(getattr(c2w, "model", None), "_decoder", None) is not None:
         res["code2wav_free_sms"] = c2w.model.decoder.free_sms
@@ -695,6 +723,8 @@ async def main_async(args, res: dict, save) -> None:
                 for w, pg, n0 in zip(ar_workers, prefill_graphs, pg_runs)}
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if nvml is not None:
+                res["nvml_peak_used_GiB"] = round(nvml.peak / 2**30, 2)
         save(name)
     llm.shutdown()
 
@@ -777,6 +807,8 @@ def main() -> None:
                          "host calls are cProfiled (top functions on stderr)")
     ap.add_argument("--round-timeout-s", type=float, default=240.0,
                     help="a round taking longer dumps every thread's stack and stops")
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument("--gpu-memory-budget", type=float, default=None, metavar="GIB")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ROUND_TIMEOUT_S["seconds"] = args.round_timeout_s

@@ -51,6 +51,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per AR stage")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: weight-only e4m3 for the LM's projections (Qwen2.5-Omni's thinker, "
+                   "plain LMs) or the MoE experts (Qwen3-Omni)")
+    p.add_argument("--gpu-memory-budget", type=float, default=None, metavar="GIB",
+                   help="device memory the pipeline may use, as NVML counts it; sizes the KV "
+                   "caches (omni pipelines, stages in this process)")
     p.add_argument("--stage-worker", choices=["inprocess", "process"], default=None,
                    help="run every stage in this process or each in its own (default: the "
                    "pipeline YAML's `worker` keys)")
@@ -59,7 +65,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args) -> dict:
     opts = {k: getattr(args, k) for k in ("max_model_len", "max_num_seqs",
                                           "max_num_batched_tokens", "num_kv_blocks",
-                                          "block_size", "stage_worker")}
+                                          "block_size", "stage_worker", "quantization",
+                                          "gpu_memory_budget")}
     return {"pipeline": args.pipeline, "device": args.device, "dtype": args.dtype,
             **{k: v for k, v in opts.items() if v is not None}}
 

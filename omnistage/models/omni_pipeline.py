@@ -5,11 +5,14 @@ ThinkerTalkerPipeline and adds its talker/code2wav wiring (`prepare_audio`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from omnistage.checkpoint import eos_token_ids, load_generation_config
+from omnistage.engine.ar.model_runner import kv_bytes_per_block
+from omnistage.engine.ar.scheduler import EngineConfig
 from omnistage.config.schema import PipelineConfig, StageConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.sequence import Sequence
@@ -19,6 +22,8 @@ from omnistage.outputs import OmniRequestOutput
 from omnistage.runtime.build import (StageContext, build_ar_engine, build_stage_worker,
                                      build_stages, generation_defaults, new_request_id,
                                      pop_load_options, resolve_seed, stage_engine_config)
+from omnistage.runtime.memory import (THINKER_SHARE, WEIGHT_GROWTH, MemoryBudget,
+                                      checkpoint_bytes, fp8_projection, pop_memory_budget)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker, StageLink
@@ -49,6 +54,25 @@ def kv_fraction(ctx: StageContext, fraction: float) -> dict[str, Any]:
     return opts
 
 
+def budgeted(ctx: StageContext, model: torch.nn.Module, cfg: EngineConfig,
+             share: float) -> EngineConfig:
+    """`cfg` with its KV blocks sized by the pipeline's gpu_memory_budget (runtime/memory.py),
+    unless there is none or the user sized the KV cache."""
+    budget = ctx.options.get("memory_budget")
+    if budget is None:
+        return cfg
+    user_fraction = (ctx.options["engine"].get("kv_cache_memory_fraction") is not None
+                     or ctx.stage.engine.kv_cache_memory_fraction is not None)
+    if cfg.num_kv_blocks is not None or user_fraction:  # sized by the user: as they said
+        budget.loaded(ctx.name)
+        return cfg
+    per_block = kv_bytes_per_block(model, cfg.block_size, ctx.dtype)
+    seq_blocks = -(-cfg.max_model_len // cfg.block_size)
+    blocks = budget.kv_blocks(ctx.name, share, per_block, cfg.max_num_seqs * seq_blocks + 1,
+                              seq_blocks)
+    return replace(cfg, num_kv_blocks=blocks, kv_cache_memory_fraction=None)
+
+
 def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any,
                    kv_share: float = 0.45) -> ARStageWorker:
     """The thinker stage's worker: an AR engine on `model` (built and loaded), sized by the
@@ -57,6 +81,7 @@ def thinker_worker(ctx: StageContext, model: torch.nn.Module, tokenizer: Any,
     text_cfg = ctx.config["thinker_config"]["text_config"]
     cfg = stage_engine_config(text_cfg.get("max_position_embeddings", 32768),
                               kv_fraction(ctx, kv_share), ctx.stage.engine)
+    cfg = budgeted(ctx, model, cfg, THINKER_SHARE)
     engine = build_ar_engine(ctx, model, cfg, tokenizer, eos_token_ids(gen_cfg, ctx.config, None),
                              ctx.stage.default_sampling.apply(generation_defaults(gen_cfg)))
     # the thinker's stream ahead of the talker's: the talker's steps wait for its rows
@@ -70,6 +95,7 @@ def talker_worker(ctx: StageContext, model: torch.nn.Module, max_position_embedd
     thinker's rows, `row_width` wide."""
     cfg = stage_engine_config(max_position_embeddings, kv_fraction(ctx, kv_share),
                               ctx.stage.engine)
+    cfg = budgeted(ctx, model, cfg, 1.0)  # the room left: code2wav's is reserved
     engine = build_ar_engine(ctx, model, cfg, None, set(),
                              ctx.stage.default_sampling.apply(params), row_width)
     return ARStageWorker(ctx.name, engine, priority=-1)
@@ -94,7 +120,9 @@ class ThinkerTalkerPipeline:
         parsed = code2wav(opts)
         worker = pop_stage_worker(opts)
         load = pop_load_options(opts)
-        return {"code2wav": parsed, "stage_worker": worker, "engine": opts, **load}
+        budget = pop_memory_budget(opts)
+        return {"code2wav": parsed, "stage_worker": worker, "engine": opts,
+                "gpu_memory_budget": budget, **load}
 
     def _init_front(self, path: Any, config: dict, pipeline: PipelineConfig,
                     engine_options: dict[str, Any], processor_class: Any
@@ -128,8 +156,25 @@ class ThinkerTalkerPipeline:
                        options: dict[str, Any]) -> None:
         """Each stage built here or, where its `worker` is "process", in a process of its own."""
         self.stage_order = [s.name for s in stages]
+        if options.get("gpu_memory_budget") is not None:
+            options = {**options, "memory_budget": self._memory_budget(stages, path, device,
+                                                                       options)}
         self.workers, self.process_stages = build_stages(path, config, self.config, stages,
                                                          device, dtype, options)
+
+    def _memory_budget(self, stages: list[StageConfig], path: Any, device: torch.device,
+                       options: dict[str, Any]) -> MemoryBudget:
+        if options["stage_worker"] not in (None, "inprocess") \
+                or any(s.worker != "inprocess" for s in stages):
+            raise ValueError("gpu_memory_budget: budgets stages in this process; stage "
+                             "processes (stage_worker / worker: process) are not budgeted")
+        quantized = options.get("quantization") == "fp8"
+        thinker = self.roles["thinker"]
+        pending = {s.name: int(checkpoint_bytes(
+            path, s.checkpoint_prefix or "",
+            fp8_projection if quantized and s.name == thinker.name else None)
+            * WEIGHT_GROWTH[s.kind]) for s in stages}
+        return MemoryBudget(options["gpu_memory_budget"], device, pending)
 
     @property
     def stage_names(self) -> list[str]:
@@ -224,6 +269,8 @@ class ThinkerTalkerPipeline:
         """The thinker's Sequence and the processed prompt it came from (None: raw ids)."""
         max_prompt = self.max_model_len - 1
         with_av = prompt.get("use_audio_in_video", False) if isinstance(prompt, dict) else False
+        if isinstance(prompt, dict) and prompt.get("tools"):  # (Qwen-Omni templates: no tools)
+            raise ValueError(f"{where}.tools: this model's prompts do not take tools")
         if not isinstance(with_av, bool):
             raise ValueError(f"{where}.use_audio_in_video: must be true or false, got {with_av!r}")
         try:

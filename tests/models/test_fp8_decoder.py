@@ -5,6 +5,7 @@ nobody here wrote); FP8's accuracy against 16-bit on real weights (SmolLM2-135M)
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,10 @@ def test_quantized_omni_thinker_equals_transformers(tiny_omni_dir):
                        output_modalities=["text"], use_tqdm=False)[0]
     ref, scores = hf_greedy(hf.thinker, prompt, 8)
     assert_greedy_match(out.token_ids, ref, scores, "fp8 thinker")
-    spoken = llm.generate({"messages": [{"role": "user", "content": "hi"}]},
+    clip = np.random.default_rng(0).standard_normal(16000).astype(np.float32) * 0.1
+    heard = {"role": "user", "content": [{"type": "audio", "audio": clip},
+                                         {"type": "text", "text": "hi"}]}
+    spoken = llm.generate({"messages": [heard]},  # the encoders' rows meet an FP8 LM
                           {"thinker": SamplingParams(temperature=0, max_tokens=6)},
                           use_tqdm=False)[0]
     assert spoken.error is None and spoken.audio is not None and spoken.audio.std() > 1e-3

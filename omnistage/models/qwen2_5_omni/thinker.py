@@ -51,7 +51,8 @@ class OmniThinkerMedia:
     def encode_media(self, seqs: list[Sequence]) -> None:
         """Run the encoders once over every pending prompt of the step and write each prompt's
         rows into seq.prompt_embeds [P, prompt_row_width] (mask: seq.prompt_embeds_mask [P])."""
-        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        emb = self.model.embed_tokens.weight  # (an FP8 lm_head holds e4m3 weights)
+        device, dtype = emb.device, emb.dtype
         inputs = [s.pending_media for s in seqs]
         audio = [f.to(device, dtype) for m in inputs for f in m.audio_features]
         audio_rows = iter(self.audio_tower(audio) if audio else [])
