@@ -84,6 +84,8 @@ class MemoryBudget:
     def __init__(self, gib: float, device: torch.device, pending: dict[str, int]) -> None:
         if device.type != "cuda":
             raise ValueError(f"gpu_memory_budget: set for device {device}; it budgets a GPU")
+        if device.index is None:  # the allocator's cap takes an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.gib = device, gib
         self.budget_bytes = int(gib * GIB)
         self.pending = dict(pending)  # stage name -> weight bytes not loaded yet

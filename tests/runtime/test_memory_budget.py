@@ -19,6 +19,7 @@ class FakeDevice:
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None: type("P", (), {"total_memory": self.total}))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                             lambda f, device=None: setattr(self, "fraction", f))
 
@@ -33,7 +34,7 @@ def test_pop_memory_budget_bounds():
 
 def test_budget_caps_the_allocator_and_sizes_kv(monkeypatch):
     dev = FakeDevice(monkeypatch, used=1 * GIB)  # the context, nothing allocated yet
-    budget = MemoryBudget(24, torch.device("cuda:0"),
+    budget = MemoryBudget(24, torch.device("cuda"),
                           {"thinker": 10 * GIB, "talker": 3 * GIB, "code2wav": 1 * GIB})
     outside = 1 * GIB + memory.OUTSIDE_ALLOCATOR_MARGIN
     assert budget.allocator_cap == 24 * GIB - outside
