@@ -9,10 +9,11 @@ How it is kept:
     budget is set, plus a margin for modules and workspaces loaded later): going over is an
     out-of-memory error, not a silent overrun;
   - each AR stage's KV blocks are sized from the room left once its weights are loaded: the
-    budget less the memory in use, the weights of the stages not built yet (read from the
-    checkpoint's headers) and a reserve for what comes after the KV caches (activations, graph
-    pools, the code2wav stage's buffers); the thinker takes THINKER_SHARE of that room, the
-    talker the rest, each at most what max_num_seqs x max_model_len needs.
+    allocator's cap less what the allocator holds, the weights of the stages not built yet
+    (read from the checkpoint's headers) and a reserve for what comes after the KV caches
+    (activations, the decode and prefill graphs' pools, the code2wav stage's buffers and
+    graphs); the thinker takes THINKER_SHARE of that room, the talker the rest, each at most
+    what max_num_seqs x max_model_len needs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ GIB = 1 << 30
 MAX_BUDGET_GIB = 4096.0
 # after the KV caches: activations (max_num_batched_tokens rows), decode/prefill graph pools,
 # code2wav's windows and graph pools, compile workspaces
-RESERVE_BYTES = 2 * GIB
+RESERVE_BYTES = 7 * GIB // 2
 OUTSIDE_ALLOCATOR_MARGIN = GIB // 2  # Triton/cuBLAS modules and handles loaded later
 THINKER_SHARE = 0.5
 # code2wav keeps float32 weights of parts that the checkpoint may store in 16 bits
@@ -90,15 +91,15 @@ class MemoryBudget:
         self.budget_bytes = int(gib * GIB)
         self.pending = dict(pending)  # stage name -> weight bytes not loaded yet
         in_use = self.in_use()
-        if in_use + sum(self.pending.values()) + RESERVE_BYTES >= self.budget_bytes:
+        outside = in_use - torch.cuda.memory_reserved(device) + OUTSIDE_ALLOCATOR_MARGIN
+        total = torch.cuda.get_device_properties(device).total_memory
+        self.allocator_cap = self.budget_bytes - outside
+        if self.room() <= 0:
             raise ValueError(
                 f"gpu_memory_budget: {gib:g} GiB cannot hold the pipeline: {in_use / GIB:.2f} "
                 f"GiB in use, {sum(self.pending.values()) / GIB:.2f} GiB of weights to load, "
                 f"{RESERVE_BYTES / GIB:.1f} GiB reserved for activations and graphs (try "
                 "quantization='fp8')")
-        outside = in_use - torch.cuda.memory_reserved(device) + OUTSIDE_ALLOCATOR_MARGIN
-        total = torch.cuda.get_device_properties(device).total_memory
-        self.allocator_cap = self.budget_bytes - outside
         torch.cuda.set_per_process_memory_fraction(self.allocator_cap / total, device)
         log.info("gpu_memory_budget %.1f GiB on %s: allocator capped at %.2f GiB", gib, device,
                  self.allocator_cap / GIB)
@@ -106,6 +107,11 @@ class MemoryBudget:
     def in_use(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
+
+    def room(self) -> int:
+        """Bytes the KV caches may still take under the allocator's cap."""
+        return (self.allocator_cap - torch.cuda.memory_reserved(self.device)
+                - sum(self.pending.values()) - RESERVE_BYTES)
 
     def loaded(self, stage: str) -> None:
         """`stage`'s weights are on the device now (no longer pending)."""
@@ -116,7 +122,7 @@ class MemoryBudget:
         """KV blocks for `stage`: `share` of the room left, at most `want`, at least
         `min_blocks` (one max_model_len sequence) or a ValueError naming the budget."""
         self.loaded(stage)
-        room = self.budget_bytes - self.in_use() - sum(self.pending.values()) - RESERVE_BYTES
+        room = self.room()
         n = min(want, max(0, int(room * share)) // bytes_per_block)
         if n < min_blocks:
             raise ValueError(

@@ -39,15 +39,16 @@ def test_budget_caps_the_allocator_and_sizes_kv(monkeypatch):
     outside = 1 * GIB + memory.OUTSIDE_ALLOCATOR_MARGIN
     assert budget.allocator_cap == 24 * GIB - outside
     assert dev.fraction == pytest.approx((24 * GIB - outside) / (80 * GIB))
-    dev.used = 11 * GIB  # the thinker's weights are in
+    cap = budget.allocator_cap
+    dev.used, dev.reserved = 11 * GIB, 10 * GIB  # the thinker's weights are in
     per_block = 1 << 20
-    room = 24 * GIB - 11 * GIB - 4 * GIB - RESERVE_BYTES  # talker + code2wav still pending
+    room = cap - 10 * GIB - 4 * GIB - RESERVE_BYTES  # talker + code2wav still pending
     n = budget.kv_blocks("thinker", 0.5, per_block, want=10**9, min_blocks=8)
     assert n == int(room * 0.5) // per_block
     assert budget.kv_blocks("thinker", 0.5, per_block, want=100, min_blocks=8) == 100  # capped
-    dev.used = 11 * GIB + n * per_block + 3 * GIB  # thinker KV + talker weights
+    dev.reserved = 10 * GIB + n * per_block + 3 * GIB  # thinker KV + talker weights
     m = budget.kv_blocks("talker", 1.0, per_block, want=10**9, min_blocks=8)
-    assert m == (24 * GIB - dev.used - 1 * GIB - RESERVE_BYTES) // per_block
+    assert m == (cap - dev.reserved - 1 * GIB - RESERVE_BYTES) // per_block
     assert budget.pending == {"code2wav": 1 * GIB}
     with pytest.raises(ValueError, match="gpu_memory_budget.*talker needs"):
         budget.kv_blocks("talker", 1.0, per_block, want=10**9, min_blocks=m + 1)
