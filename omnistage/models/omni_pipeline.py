@@ -22,7 +22,8 @@ from omnistage.outputs import OmniRequestOutput
 from omnistage.runtime.build import (StageContext, build_ar_engine, build_stage_worker,
                                      build_stages, generation_defaults, new_request_id,
                                      pop_load_options, resolve_seed, stage_engine_config)
-from omnistage.runtime.memory import (THINKER_SHARE, WEIGHT_GROWTH, MemoryBudget,
+from omnistage.runtime.memory import (CODE2WAV_MAX_BATCH, THINKER_SHARE, WEIGHT_GROWTH,
+                                      MemoryBudget,
                                       checkpoint_bytes, fp8_projection, pop_memory_budget)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.process import pop_stage_worker
@@ -117,6 +118,8 @@ class ThinkerTalkerPipeline:
         """Constructor keywords -> the stage worker kind, the code2wav options (parsed by
         `code2wav`, a function popping its keys) and the AR engine options."""
         opts = dict(engine_options)
+        if opts.get("gpu_memory_budget") is not None:
+            opts.setdefault("code2wav_max_batch", CODE2WAV_MAX_BATCH)
         parsed = code2wav(opts)
         worker = pop_stage_worker(opts)
         load = pop_load_options(opts)

@@ -35,8 +35,11 @@ MAX_BUDGET_GIB = 4096.0
 # after the KV caches: activations (max_num_batched_tokens rows), decode/prefill graph pools,
 # code2wav's windows and graph pools, compile workspaces
 RESERVE_BYTES = 5 * GIB
-OUTSIDE_ALLOCATOR_MARGIN = GIB  # kernels loaded later (compiled, Triton, cuBLAS): measured 1.3 GiB
+OUTSIDE_ALLOCATOR_MARGIN = GIB  # kernels loaded later (compiled, Triton, cuBLAS)
 THINKER_SHARE = 0.5
+# under a budget, code2wav's largest batch bucket unless the user sets code2wav_max_batch: its
+# graph pools grow with the bucket
+CODE2WAV_MAX_BATCH = 8
 # code2wav keeps float32 weights of parts that the checkpoint may store in 16 bits
 WEIGHT_GROWTH = {"gen": 2.0, "ar": 1.0}
 
