@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.gen.config import GenEngineConfig
+from omnistage.engine.gen.config import MAX_BATCH, GenEngineConfig
+from omnistage.engine.gen.graphs import BUCKETS, bucket_for
 from omnistage.engine.gen.model import GenModel, GenRequest
 from omnistage.engine.step import LaunchedStep, StageEvent, StageStream
 
@@ -67,7 +68,11 @@ class GenStageWorker:
             self.warmup()
 
     def warmup(self, buckets: tuple[int, ...] | None = None) -> None:
-        """Capture the model's graphs of these batch buckets (default: all) now."""
+        """Capture the model's graphs of these batch buckets (default: those a batch of at most
+        max_batch rows uses) now."""
+        if buckets is None and self.max_batch < MAX_BATCH:  # no graph (pool) for larger ones
+            top = bucket_for(self.max_batch, BUCKETS)
+            buckets = tuple(b for b in BUCKETS if b <= top)
         self.model.warmup(buckets)
 
     # ---------------------------------------------------------------- requests
