@@ -557,7 +557,7 @@ async def main_async(args, res: dict, save) -> None:
     dev = torch.device(args.device or ("cpu" if args.small else "cuda"))
     profile_host = {n for n in args.profile_host.split(",") if n}
     ckpt = Path(args.ckpt)
-    nvml = NvmlPeak() if dev.type == "cuda" else None  # the whole device, as NVML counts it
+    nvml = None  # the whole device as NVML counts it: from the pipeline's load on (below)
     t0 = time.perf_counter()
     if args.profile_code2wav:
         profile_code2wav(res, args.small, dev)
@@ -566,6 +566,9 @@ async def main_async(args, res: dict, save) -> None:
         save()
     res["checkpoint"] = build_checkpoint(ckpt, args.small, dev)
     save()
+    if dev.type == "cuda":  # after the build, which holds the fp32 model on the device
+        torch.cuda.empty_cache()
+        nvml = NvmlPeak()
     conc = [int(c) for c in args.concurrency.split(",")]
     t1 = time.perf_counter()
     from omnistage.models.qwen2_5_omni.code2wav_options import Qwen2_5OmniCode2WavOptions
@@ -723,6 +726,7 @@ async def main_async(args, res: dict, save) -> None:
                 for w, pg, n0 in zip(ar_workers, prefill_graphs, pg_runs)}
         if dev.type == "cuda":
             res["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            res["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
             if nvml is not None:
                 res["nvml_peak_used_GiB"] = round(nvml.peak / 2**30, 2)
         save(name)
