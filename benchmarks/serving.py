@@ -6,10 +6,11 @@ Workload: a chat request with a text prompt, text + audio out (pcm16 SSE), a fix
 (`--max-tokens` text tokens, `--codes` talker codes; eos ignored so every request has the same
 length), `--concurrency` levels, each a closed round of that many requests submitted at once.
 
-Per level and side: TTFT (first text delta) and TTFA (first audio delta) p50 / p90 seen by the
-client (the engine side: from its submit), RTF = e2e / audio seconds (p50), audio-seconds per
+Per level and side: TTFT (first text delta) and TTFA (first audio delta) p50 / p90 / p99 seen
+by the client (the engine side: from its submit), RTF = e2e / audio seconds, audio-seconds per
 second of the round; for the server, start-up to /health and the first request's TTFA against
-a warm one.
+a warm one. The client and the statistics are `omnistage bench`'s (omnistage/entrypoints/
+bench.py), which drives an already running server.
 
     python -m benchmarks.serving --model /path/to/ckpt --device cuda --concurrency 1,16,32 \\
         --out benchmarks/results/serving_h100.json
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
 import os
 import signal
 import socket
@@ -32,9 +31,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import write_result
-
-SAMPLE_RATE = 24000
-PROMPT = "Tell me a short story about a lighthouse keeper and a storm."
+from omnistage.entrypoints import bench
 
 
 def free_port() -> int:
@@ -43,46 +40,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4)
-
-
-def chat_body(args, model: str, seed: int) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-            "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "stream": True,
-            "max_tokens": args.max_tokens, "temperature": 0.0, "seed": seed,
-            "stage_sampling_params": {"thinker": {"ignore_eos": True},
-                                      "talker": {"max_tokens": args.codes, "ignore_eos": True}}}
-
-
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """Stream one chat completion: client-side TTFT, TTFA, e2e and audio seconds."""
-    t0 = time.perf_counter()
-    ttft = ttfa = None
-    samples = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return {"error": str(chunk["error"])[:200]}
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta") or {}
-                audio = delta.get("audio") or {}
-                now = time.perf_counter() - t0
-                if ttft is None and (delta.get("content") or audio.get("transcript")):
-                    ttft = now
-                if audio.get("data"):
-                    ttfa = now if ttfa is None else ttfa
-                    samples += len(base64.b64decode(audio["data"])) // 2
-    return {"ttft": ttft, "ttfa": ttfa, "e2e": time.perf_counter() - t0,
-            "audio_s": samples / SAMPLE_RATE}
+def bench_config(args, url: str) -> bench.BenchConfig:
+    """The workload as `omnistage bench` sends it: text + pcm16 audio, eos ignored in the
+    thinker (top-level ignore_eos) and the talker (`--codes` codes)."""
+    return bench.BenchConfig(base_url=url, model="bench", concurrency=args.concurrency,
+                             max_tokens=args.max_tokens, modalities="audio", ignore_eos=True,
+                             codes=args.codes, warmup_rounds=0,
+                             request_timeout=args.request_timeout)
 
 
 async def engine_request(llm, args, seed: int) -> dict:
@@ -95,7 +59,9 @@ async def engine_request(llm, args, seed: int) -> dict:
     t0 = time.perf_counter()
     ttft = ttfa = None
     samples = 0
-    async for out in llm.generate({"messages": [{"role": "user", "content": PROMPT}]}, params):
+    out = None
+    prompt = {"messages": [{"role": "user", "content": bench.DEFAULT_PROMPT}]}
+    async for out in llm.generate(prompt, params):
         now = time.perf_counter() - t0
         if ttft is None and out.text_delta:
             ttft = now
@@ -104,30 +70,16 @@ async def engine_request(llm, args, seed: int) -> dict:
             samples += len(out.audio)
         if out.error:
             return {"error": out.error}
+    text = len(out.token_ids) if out is not None else 0
+    codes = out.metrics.tokens_per_stage.get("talker", 0) if out is not None else 0
     return {"ttft": ttft, "ttfa": ttfa, "e2e": time.perf_counter() - t0,
-            "audio_s": samples / SAMPLE_RATE}
-
-
-def summarize(rows: list[dict], wall: float) -> dict:
-    ok = [r for r in rows if "error" not in r]
-    audio = sum(r["audio_s"] for r in ok)
-    return {"requests": len(rows), "errors": [r["error"] for r in rows if "error" in r][:3],
-            "ttft_p50": pct([r["ttft"] for r in ok if r["ttft"] is not None], 0.5),
-            "ttft_p90": pct([r["ttft"] for r in ok if r["ttft"] is not None], 0.9),
-            "ttfa_p50": pct([r["ttfa"] for r in ok if r["ttfa"] is not None], 0.5),
-            "ttfa_p90": pct([r["ttfa"] for r in ok if r["ttfa"] is not None], 0.9),
-            "rtf_p50": pct([r["e2e"] / r["audio_s"] for r in ok if r["audio_s"]], 0.5),
-            "audio_seconds_per_second": round(audio / wall, 3) if wall else None,
-            "wall_s": round(wall, 3)}
+            "audio_s": samples / bench.PCM16_RATE, "text_tokens": text,
+            "output_tokens": text + codes}
 
 
 async def rounds(send, levels: list[int]) -> dict:
-    out = {}
-    for c in levels:
-        t0 = time.perf_counter()
-        rows = await asyncio.gather(*(send(i) for i in range(c)))
-        out[f"c{c}"] = summarize(list(rows), time.perf_counter() - t0)
-    return out
+    """Per level c: one closed round of c requests at once (bench.run_level's numbers)."""
+    return {f"c{c}": await bench.run_level(send, c, c) for c in levels}
 
 
 def run_server_side(args) -> dict:
@@ -153,17 +105,19 @@ def run_server_side(args) -> dict:
             time.sleep(0.2)
         result: dict = {"startup_to_health_s": round(time.perf_counter() - t0, 2)}
 
+        cfg = bench_config(args, url)
+
         async def go() -> None:
             limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
             async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-                first = await one_request(client, url, chat_body(args, "bench", 0))
-                warm = await one_request(client, url, chat_body(args, "bench", 0))
+                first = await bench.one_request(client, url, bench.chat_body(cfg, 0))
+                warm = await bench.one_request(client, url, bench.chat_body(cfg, 0))
                 result["first_request"] = first
                 result["warm_request"] = warm
                 if first.get("ttfa") and warm.get("ttfa"):
                     result["first_over_warm_ttfa"] = round(first["ttfa"] / warm["ttfa"], 3)
                 result.update(await rounds(
-                    lambda i: one_request(client, url, chat_body(args, "bench", i)),
+                    lambda i: bench.one_request(client, url, bench.chat_body(cfg, i)),
                     args.concurrency))
 
         asyncio.run(go())

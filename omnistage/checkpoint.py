@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from omnistage.config import env
+from omnistage.layers.parallel import current_tp
 
 
 def resolve_model_path(model: str) -> Path:
@@ -74,13 +75,49 @@ def safetensors_files(path: Path) -> list[Path]:
     return found
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet (tensor-parallel loading): its shape and dtype, and
+    reads of a slice along one dim (only those bytes of the safetensors mmap) or of the whole.
+    Valid while iter_tensors' generator is at it (the file stays open until it moves on)."""
+
+    def __init__(self, file_slice) -> None:
+        self._slice = file_slice
+        self.shape = torch.Size(file_slice.get_shape())
+        self.dtype = _SAFETENSORS_DTYPES.get(file_slice.get_dtype())
+        if self.dtype is None:
+            raise ValueError(f"checkpoint dtype {file_slice.get_dtype()!r} is not supported")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[...]
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def as_tensor(tensor) -> torch.Tensor:
+    """A torch.Tensor of a checkpoint tensor (reads a LazyTensor whole)."""
+    return tensor.full() if isinstance(tensor, LazyTensor) else tensor
+
+
 def iter_tensors(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor whose name starts with `prefix` (prefix stripped)."""
+    """(name, tensor) for every tensor whose name starts with `prefix` (prefix stripped).
+    Inside layers.parallel.tensor_parallel (size > 1) the tensors are LazyTensors: each rank
+    reads only the slices its parameters hold (load_parameters)."""
+    lazy = current_tp().enabled
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name.startswith(prefix):
-                    yield name[len(prefix):], f.get_tensor(name)
+                    value = LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
+                    yield name[len(prefix):], value
 
 
 def dummy_tensors(model: torch.nn.Module, seed: int = 0,
@@ -88,14 +125,18 @@ def dummy_tensors(model: torch.nn.Module, seed: int = 0,
     """load_format="dummy": a random tensor for every parameter of `model`, by its own name,
     on its device and dtype: norm weights 1, other 1-D parameters 0, matrices N(0, std).
     Each is a pure function of (seed, name), so any model holding the same names (e.g.
-    transformers' under a stage prefix) can be given the very same weights."""
+    transformers' under a stage prefix) can be given the very same weights; a tensor-parallel
+    shard gets the whole tensor (its `tp_shard`'s shape), of which it keeps its slice."""
     for name, p in model.named_parameters():
+        shard = getattr(p, "tp_shard", None)
+        shape = shard.full_shape if shard is not None else p.shape
         if p.dim() == 1:
-            yield name, (torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+            value = torch.ones(shape) if "norm" in name else torch.zeros(shape)
+            yield name, value.to(p.device, p.dtype)
             continue
         g = torch.Generator(device=p.device).manual_seed(
             (seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFFFFFFFFFF)
-        yield name, torch.randn(p.shape, generator=g, device=p.device,
+        yield name, torch.randn(shape, generator=g, device=p.device,
                                 dtype=torch.float32).mul_(std).to(p.dtype)
 
 
@@ -115,6 +156,8 @@ def load_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.
     load_special(ours, tensor): None for a plain parameter; otherwise it copied the tensor
     itself and returns the parameter names that are now fully loaded (e.g. an MoE's fused
     expert weights once every expert's matrices came).
+    A parameter with a `tp_shard` (layers/parallel.py: a tensor-parallel shard) gets its slice
+    of the whole tensor; tensors may be LazyTensors (only what is kept is read).
     ValueError naming the tensor (`shown_prefix` + its checkpoint name) for a name with no
     parameter or a wrong shape, and naming the parameters no tensor filled."""
     params = dict(module.named_parameters())
@@ -123,7 +166,7 @@ def load_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.
         ours = name if rename is None else rename(name)
         if ours is None or ours.endswith(DERIVED_TENSOR_SUFFIXES):
             continue
-        done = None if load_special is None else load_special(ours, tensor)
+        done = None if load_special is None else load_special(ours, tensor)  # may be lazy
         if done is not None:
             loaded |= done
             continue
@@ -132,6 +175,13 @@ def load_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.
             raise ValueError(f"checkpoint tensor {shown!r} has no matching parameter "
                              f"({type(module).__name__} has no such parameter {ours!r})")
         p = params[ours]
+        shard = getattr(p, "tp_shard", None)
+        if shard is not None:
+            try:
+                tensor = shard.take(tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {shown!r}: {e}") from e
+        tensor = as_tensor(tensor)
         if p.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {shown!r}: shape {tuple(tensor.shape)}, "
                              f"expected {tuple(p.shape)}")

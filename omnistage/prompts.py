@@ -8,7 +8,7 @@ from typing import Any
 from omnistage.sampling_params import DiffusionParams, SamplingParams
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "messages", "voice",
-               "use_audio_in_video", "forced_reply"}
+               "use_audio_in_video", "forced_reply", "tools"}
 MAX_PROMPT_CHARS = 1 << 20
 MAX_FORCED_REPLY_CHARS = 16384
 
@@ -52,9 +52,13 @@ def check_prompt_shape(prompt: Any, where: str) -> None:
         for i, m in enumerate(msgs):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise ValueError(f"{where}.messages[{i}]: needs 'role' and 'content'")
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"{where}.messages[{i}].role: {m['role']!r} is not "
-                                 "'system', 'user' or 'assistant'")
+                                 "'system', 'user', 'assistant' or 'tool'")
+    if "tools" in prompt and prompt["tools"] is not None and (
+            not isinstance(prompt["tools"], list)
+            or not all(isinstance(t, Mapping) for t in prompt["tools"])):
+        raise ValueError(f"{where}.tools: must be a list of tool dicts (OpenAI's shape)")
 
 
 def text_prompt_ids(prompt: Any, tokenizer, where: str, vocab_size: int) -> list[int]:
@@ -70,8 +74,12 @@ def text_prompt_ids(prompt: Any, tokenizer, where: str, vocab_size: int) -> list
                 raise ValueError(f"{where}.messages[{i}].content: this model takes text only")
         if tokenizer.chat_template is None:
             raise ValueError(f"{where}.messages: the checkpoint has no chat template")
+        tools = prompt.get("tools") or None
+        if tools and "tools" not in tokenizer.chat_template:  # it would drop them unseen
+            raise ValueError(f"{where}.tools: this checkpoint's chat template does not render "
+                             "tools")
         ids = tokenizer.apply_chat_template(list(prompt["messages"]), add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+                                            tokenize=True, return_dict=False, tools=tools)
     else:
         ids = tokenizer(prompt["prompt"]).input_ids
     if prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else False:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
@@ -15,6 +17,75 @@ INT32_MAX = (1 << 31) - 1
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20  # top tokens per position (OpenAI's top_logprobs bound)
+MAX_SCHEMA_CHARS = 1 << 16  # a JSON schema, as compact JSON text
+MAX_WRAP_CHARS = 256  # StructuredOutput.prefix / suffix
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow, enforced while decoding (an xgrammar token bitmask
+    applied to the logits before sampling): exactly one of `json_schema` (a JSON schema, as a
+    dict or JSON text; OpenAI's strict json_schema) or `json_object` (any JSON object), with
+    optional literal text around it (`prefix` + JSON + `suffix`, e.g. Qwen's tool-call tags).
+
+    End-of-sequence ids are allowed only once the grammar is complete; a request that reaches
+    max_tokens first ends with finish_reason "length" and incomplete JSON (OpenAI's rule)."""
+
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False
+    prefix: str = ""
+    suffix: str = ""
+
+    def schema_text(self) -> str:
+        """The schema as JSON text (the grammar cache's key). Keys keep their order: a
+        schema's property order is the order the output writes them in."""
+        if self.json_object:
+            return '{"type": "object"}'
+        if isinstance(self.json_schema, str):
+            return json.dumps(json.loads(self.json_schema))
+        return json.dumps(self.json_schema)
+
+    def key(self) -> tuple[str, str, str]:
+        return self.schema_text(), self.prefix, self.suffix
+
+    def validate(self, where: str) -> None:
+        """Raise ValueError naming the offending field (prefixed with `where`): the schema must
+        be a JSON object of at most MAX_SCHEMA_CHARS that xgrammar can turn into a grammar."""
+        if (self.json_schema is None) == (not self.json_object):
+            raise ValueError(f"{where}: set exactly one of json_schema and json_object")
+        for name in ("prefix", "suffix"):
+            text = getattr(self, name)
+            if not isinstance(text, str) or len(text) > MAX_WRAP_CHARS:
+                raise ValueError(f"{where}.{name}: must be a string of at most "
+                                 f"{MAX_WRAP_CHARS} characters")
+        if self.json_object:
+            return
+        schema = self.json_schema
+        if isinstance(schema, str):
+            if len(schema) > MAX_SCHEMA_CHARS:
+                raise ValueError(f"{where}.json_schema: longer than {MAX_SCHEMA_CHARS} "
+                                 "characters")
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}.json_schema: not valid JSON: {e}") from e
+        if not isinstance(schema, dict):
+            raise ValueError(f"{where}.json_schema: must be a JSON object, got "
+                             f"{type(schema).__name__}")
+        try:
+            text = json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}.json_schema: not JSON-serialisable: {e}") from e
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"{where}.json_schema: {len(text)} characters as JSON, more than "
+                             f"{MAX_SCHEMA_CHARS}")
+        import xgrammar  # (a grammar without a tokenizer: checks the schema only)
+        try:
+            xgrammar.Grammar.from_json_schema(text)
+        except RuntimeError as e:  # xgrammar reports unsupported or malformed schemas so
+            reason = str(e).strip().splitlines()[-1].split(": ", 1)[-1]
+            raise ValueError(f"{where}.json_schema: invalid or unsupported schema: "
+                             f"{reason}") from e
 
 
 def stage_seed(seed: int, offset: int) -> int:
@@ -56,6 +127,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
     # internal: ids that may never be sampled (e.g. the talker's codec bos)
     suppress_token_ids: list[int] = field(default_factory=list)
 
@@ -133,6 +205,17 @@ class SamplingParams:
                 raise bad(name, f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
             for i, t in enumerate(ids):  # the range: ids inside the vocabulary
                 integer(f"{name}[{i}]", t, 0, top_id)
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise bad("structured_output", "must be a StructuredOutput, got "
+                          f"{type(self.structured_output).__name__}")
+            # the grammar allows an end-of-sequence id only where the JSON is complete: with
+            # min_tokens the ban on stop ids could leave no token; ignore_eos, no way to end
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be combined with structured_output")
+            if self.min_tokens:
+                raise bad("min_tokens", "cannot be combined with structured_output")
+            self.structured_output.validate(f"{where}.structured_output")
 
 
 @dataclass

@@ -29,6 +29,14 @@ def quiet_tokenizer_threads() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def nccl_device_rules() -> None:
+    """NVLink multicast off for NCCL (a rule of the lent multi-GPU machines, not a user
+    setting): set before this process initialises NCCL, and inherited by the tensor-parallel
+    ranks it spawns (engine/ar/tp.py)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
 def log_level(default: str = "warning") -> str:
     level = (os.environ.get(LOG_LEVEL) or default).lower()
     if level not in LOG_LEVELS:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from omnistage.sampling_params import (INT32_MAX, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
                                        SamplingParams)
@@ -43,6 +44,8 @@ class EngineOptions(_Strict):
     triton_gemv: bool | None = None
     gemv_fused_reduce: bool | None = None
     ar_stream: str | None = Field(None, min_length=1, max_length=64)
+    # this stage's tensor-parallel ranks (docs/distributed.md); never inherited by other stages
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64)
 
 
 class StageInput(_Strict):
@@ -80,6 +83,35 @@ class ResidualSampling(_Strict):
     top_p: float = Field(0.8, gt=0, le=1)
 
 
+MAX_STAGE_DEVICES = 64  # devices of one stage (all its replicas' tensor-parallel ranks)
+
+
+def check_device_name(v: str) -> str:
+    """'cpu', 'cuda' or 'cuda:N' (whether the GPU exists is checked where stages are built)."""
+    if v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit()):
+        return v
+    raise ValueError(f"{v!r} is not 'cpu', 'cuda' or 'cuda:N'")
+
+
+class RayPlacement(_Strict):
+    """What a stage's Ray actor (one per replica) asks of a node (`worker: ray`, or
+    `ray_address` set): Ray places the actor on a node with these resources free."""
+
+    num_cpus: float = Field(1.0, ge=0, le=1024)
+    # None: one per CUDA device the replica uses (0 on CPU)
+    num_gpus: float | None = Field(None, ge=0, le=64)
+    resources: dict[str, float] = Field(default_factory=dict, max_length=16)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, amount in v.items():
+            if not key or len(key) > 64 or not 0 < amount <= 1 << 20:
+                raise ValueError(f"{key!r}: {amount}: a resource needs a name (1-64 chars) "
+                                 "and an amount in (0, 2^20]")
+        return v
+
+
 class StageConfig(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")
     kind: Literal["ar", "gen"]  # the engine: engine/ar (autoregressive) or engine/gen
@@ -87,9 +119,19 @@ class StageConfig(_Strict):
     # the component's tensors in the checkpoint (e.g. "thinker."); None = the model's default
     checkpoint_prefix: str | None = None
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None = the OmniLLM device
+    # every device of the stage, replica by replica, each replica's tensor-parallel ranks
+    # together: len = tensor_parallel_size x replicas (e.g. ["cuda:0", "cuda:1"]); None: each
+    # replica on `device`
+    devices: list[str] | None = Field(None, min_length=1, max_length=MAX_STAGE_DEVICES)
+    # this stage's own TP size (no other stage's, nor the constructor's, applies to it)
+    tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_STAGE_DEVICES)
+    # copies of the stage; each request runs on one of them (runtime/replicas.py)
+    replicas: int = Field(1, ge=1, le=MAX_STAGE_DEVICES)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # where the stage runs: in the orchestrator's process, or in a (spawned) process of its own
-    worker: Literal["inprocess", "process"] = "inprocess"
+    # or as Ray actors (one per replica; needs the constructor's ray_address)
+    worker: Literal["inprocess", "process", "ray"] = "inprocess"
+    placement: RayPlacement = RayPlacement()  # Ray only
     engine: EngineOptions = EngineOptions()
     inputs: list[StageInput] = []
     default_sampling: SamplingDefaults = SamplingDefaults()
@@ -100,11 +142,67 @@ class StageConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str | None) -> str | None:
-        if v is None or v == "cpu" or v == "cuda":
-            return v
-        if v.startswith("cuda:") and v[5:].isdigit():
-            return v
-        raise ValueError(f"{v!r} is not 'cpu', 'cuda' or 'cuda:N'")
+        return None if v is None else check_device_name(v)
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            for i, d in enumerate(v):
+                try:
+                    check_device_name(d)
+                except ValueError as e:
+                    raise ValueError(f"devices[{i}]: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _placement(self) -> StageConfig:
+        """devices = tensor_parallel_size x replicas; a TP group's GPUs are distinct."""
+        tp = self.tensor_parallel_size
+        engine_tp = getattr(self.engine, "tensor_parallel_size", None)
+        if tp is not None and engine_tp is not None and engine_tp != tp:
+            raise ValueError(f"tensor_parallel_size: {tp}, but engine.tensor_parallel_size is "
+                             f"{engine_tp} (set one)")
+        tp = tp or engine_tp
+        if self.devices is None:
+            if tp is not None and tp > 1:
+                raise ValueError(f"devices: tensor_parallel_size {tp} needs `devices`, "
+                                 f"{tp} x replicas ({self.replicas}) of them")
+            return self
+        if self.device is not None:
+            raise ValueError("devices: set `device` or `devices`, not both")
+        tp = tp or len(self.devices) // self.replicas or 1
+        if len(self.devices) != tp * self.replicas:
+            raise ValueError(f"devices: {len(self.devices)} given; tensor_parallel_size {tp} x "
+                             f"replicas {self.replicas} needs {tp * self.replicas}")
+        if tp > 1 and self.kind != "ar":
+            raise ValueError(f"tensor_parallel_size: {tp}; only AR stages (kind: ar) shard "
+                             "their model")
+        for r in range(self.replicas):
+            group = self.devices[r * tp:(r + 1) * tp]
+            if len({d.split(":")[0] for d in group}) > 1:
+                raise ValueError(f"devices: replica {r} mixes CPU and CUDA devices {group}")
+            gpus = [d for d in group if d.startswith("cuda")]
+            if tp > 1 and gpus and ("cuda" in gpus or len(set(gpus)) < len(gpus)):
+                raise ValueError(f"devices: replica {r}'s tensor-parallel ranks {group} need "
+                                 "distinct 'cuda:N' devices")
+        return self
+
+    @property
+    def tp_size(self) -> int:
+        """The stage's tensor-parallel size (its own, never another stage's)."""
+        tp = self.tensor_parallel_size or getattr(self.engine, "tensor_parallel_size", None)
+        if tp is not None:
+            return tp
+        return len(self.devices) // self.replicas if self.devices else 1
+
+    def replica_devices(self, default: str | None = None) -> list[list[str] | None]:
+        """Each replica's devices (its TP ranks in order); None: `device`, else `default`."""
+        if self.devices is None:
+            dev = self.device or default
+            return [None if dev is None else [dev] for _ in range(self.replicas)]
+        tp = self.tp_size
+        return [list(self.devices[r * tp:(r + 1) * tp]) for r in range(self.replicas)]
 
 
 class PipelineConfig(_Strict):

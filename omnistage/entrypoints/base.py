@@ -17,6 +17,7 @@ from omnistage.runtime import startup
 from omnistage.runtime.build import resolve_device, resolve_dtype
 from omnistage.runtime.orchestrator import Orchestrator, RuntimeRequest
 from omnistage.runtime.pipeline import Pipeline
+from omnistage.runtime.ray_placement import placement_options
 
 MAX_PROMPTS_PER_CALL = 100_000
 # warmup(): its prompt and lengths (tokens of the first stage, of the stages after it: enough
@@ -55,6 +56,8 @@ class OmniBase:
         self.request_timeout = request_timeout
         if overlap is not None and not isinstance(overlap, bool):
             raise ValueError(f"overlap: true, false or None, got {overlap!r}")
+        # ray_address: stages placed as Ray actors (runtime/ray_placement.py)
+        engine_options = placement_options(self.pipeline_config, engine_options)
         self.pipeline: Pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
         with startup.phase("runtime"):  # (stage processes build their stages in here)

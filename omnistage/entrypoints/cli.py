@@ -1,5 +1,6 @@
 """The `omnistage` command: serve (OpenAI-compatible server), generate (one request from the
-shell), demo (everything on an embedded tiny model, no download)."""
+shell), demo (everything on an embedded tiny model, no download), bench (latency and
+throughput of a running server)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from omnistage.config import env
+from omnistage.entrypoints import bench
 from omnistage.sampling_params import SamplingParams
 
 EMBEDDED_MODEL_NAME = "tiny-qwen2.5-omni"  # the default embedded model
@@ -207,6 +209,11 @@ def cmd_serve(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- bench
+def cmd_bench(args) -> int:
+    return bench.cmd_bench(args, env.api_key())
+
+
 # ---------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
@@ -263,14 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=32, help="reply text tokens")
     d.add_argument("--max-audio-seconds", type=float, default=8.0, help="reply audio cap")
     d.add_argument("--seed", type=int, default=0)
+
+    b = sub.add_parser("bench", help="latency and throughput of a running server (TTFT, TTFA, "
+                       "RTF, tokens/s, audio-s/s), as vLLM's benchmark_serving",
+                       description=bench.__doc__.split("\n\n")[0])
+    bench.add_arguments(b)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": cmd_serve, "generate": cmd_generate,
-                "demo": cmd_demo}[args.command](args)
+        return {"serve": cmd_serve, "generate": cmd_generate, "demo": cmd_demo,
+                "bench": cmd_bench}[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

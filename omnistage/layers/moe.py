@@ -6,6 +6,11 @@ optional sigmoid-gated shared expert (Qwen2-MoE style, the talker's).
   MoEExperts      the experts' stacked weights, loaded per expert from checkpoint names
   SparseMoE       gate (router) + experts (+ shared_expert, shared_expert_gate)
 
+Tensor parallelism (layers/parallel.py): each expert's intermediate size is split over the
+ranks (TP of the experts, not expert parallelism: docs/distributed.md says why). A rank holds
+every expert's gate/up rows and down columns of its slice; the router is whole on every rank;
+the block's output is then this rank's partial sum, all-reduced by the decoder layer.
+
 The torch path reproduces transformers' `Qwen3OmniMoe*TextExperts` arithmetic: each expert's
 rows are linear outputs in the activation dtype, scaled by the routing weight, and added into a
 zero output in ascending expert order (the same rounding, so fp32 and bf16 match it bitwise on
@@ -21,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.fp8 import FP8_DTYPE, quantize_fp8, quantize_linears, triton_installed
+from omnistage.layers.parallel import (Shard, column_linear, current_tp, mark_shard, row_linear,
+                                       split)
 
 BACKENDS = ("auto", "torch", "triton")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -138,7 +145,9 @@ def _fused_experts_torch(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weig
 
 class MoEExperts(nn.Module):
     """All experts' weights stacked: gate_up_proj [E, 2F, D] (gate rows, then up), down_proj
-    [E, D, F]. After quantize_fp8 they are float8_e4m3fn with fp32 per-row scale buffers
+    [E, D, F]; under tensor parallelism F is this rank's slice of `full_intermediate_size`
+    (its block of each expert's rows: checkpoint matrices are cut on load). After quantize_fp8
+    they are float8_e4m3fn with fp32 per-row scale buffers
     gate_up_scale [E, 2F], down_scale [E, D]: move/cast the module before quantising, as
     Module.to(dtype) would cast the fp8 weights and their scales."""
 
@@ -148,12 +157,20 @@ class MoEExperts(nn.Module):
                             ("intermediate_size", intermediate_size)):
             if value < 1:
                 raise ValueError(f"{name}: {value}, expected >= 1")
+        tp = current_tp()
+        start, local = split(intermediate_size, tp, "moe_intermediate_size")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = local
+        self.shard_start = start  # this rank's first row of each expert's intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        if tp.enabled:  # fused checkpoint tensors: the gate half's block, then the up half's
+            full = intermediate_size
+            mark_shard(self.gate_up_proj, 1, [(start, local), (full + start, local)],
+                       (num_experts, 2 * full, hidden_size))
+            mark_shard(self.down_proj, 2, [(start, local)], (num_experts, hidden_size, full))
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)
 
@@ -183,6 +200,9 @@ class MoEExperts(nn.Module):
         weights, scales, rows = self._target(proj)
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert: {expert}, expected 0..{self.num_experts - 1}")
+        if self.intermediate_size != self.full_intermediate_size or not isinstance(
+                tensor, torch.Tensor):  # tensor parallel, or a lazy checkpoint tensor
+            tensor = self._expert_slice(proj, tensor)
         expect = (rows.stop - rows.start, weights.shape[2])
         if tuple(tensor.shape) != expect:
             raise ValueError(f"{proj} of expert {expert}: shape {tuple(tensor.shape)}, "
@@ -194,6 +214,18 @@ class MoEExperts(nn.Module):
         quantized, scale = quantize_fp8(tensor)
         weights[expert, rows].copy_(quantized)
         scales[expert, rows].copy_(scale)
+
+    def _expert_slice(self, proj: str, tensor) -> Tensor:
+        # this rank's block of one whole checkpoint matrix ([F, D] gate/up, [D, F] down)
+        full, d = self.full_intermediate_size, self.hidden_size
+        if proj == "down_proj":
+            shard = Shard(1, [(self.shard_start, self.intermediate_size)], (d, full))
+        else:
+            shard = Shard(0, [(self.shard_start, self.intermediate_size)], (full, d))
+        try:
+            return shard.take(tensor)
+        except ValueError as e:
+            raise ValueError(f"{proj}: {e}") from e
 
     @torch.no_grad()
     def quantize_fp8(self) -> None:
@@ -219,13 +251,21 @@ class MoEExperts(nn.Module):
 
 class SiluMLP(nn.Module):
     """down(SiLU(gate(x)) * up(x)), no biases (checkpoint names gate_proj/up_proj/down_proj):
-    the shared expert, and the dense layers' MLP of layers/moe_decoder.py."""
+    the shared expert, and the dense layers' MLP of layers/moe_decoder.py. Under tensor
+    parallelism gate/up are column- and down row-parallel: forward() is a partial sum."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        tp = current_tp()
+        if not tp.enabled:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+            return
+        start, n = split(intermediate_size, tp, "intermediate_size")
+        self.gate_proj = column_linear(hidden_size, intermediate_size, [(start, n)], False)
+        self.up_proj = column_linear(hidden_size, intermediate_size, [(start, n)], False)
+        self.down_proj = row_linear(intermediate_size, hidden_size, start, n, False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -28,6 +28,7 @@ from omnistage.engine.ar.attention import paged_attention, write_kv
 from omnistage.engine.ar.interface import ForwardBatch
 from omnistage.engine.ar.kernels import KernelOptions
 from omnistage.layers.moe import MoEExperts, SiluMLP, SparseMoE, expert_param
+from omnistage.layers.parallel import VocabParallelEmbedding, current_tp
 from omnistage.models.layers import (
     Attention,
     RMSNorm,
@@ -219,6 +220,11 @@ class MoEDecoderLayer(nn.Module):
         """x [T, D] (the layer input), o [T, H, hd] (attention output) -> the layer output:
         x + o_proj(o), then + mlp(post_attention_layernorm(.)). No cache is touched."""
         o_proj, post = self.self_attn.o_proj, self.post_attention_layernorm
+        tp = self.self_attn.tp
+        if tp.enabled:  # row-parallel o_proj, and the MLP's partial sum: both all-reduced
+            attn = tp.all_reduce(F.linear(o.reshape(o.shape[0], -1), o_proj.weight))
+            x = x + (attn if o_proj.bias is None else attn + o_proj.bias)
+            return x + tp.all_reduce(self.mlp(_rms_norm(x, post.weight, post.eps)))
         x, h = self._kernels()["out"](x, o, o_proj.weight, o_proj.bias, post.weight, post.eps)
         return x + self.mlp(h)
 
@@ -239,7 +245,10 @@ class MoEDecoderModel(nn.Module):
     def __init__(self, cfg: MoEDecoderConfig, embed_tokens: bool = True) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed_tokens \
+        tp = current_tp()
+        table = VocabParallelEmbedding if tp.enabled else nn.Embedding
+        extra = (tp,) if tp.enabled else ()
+        self.embed_tokens = table(cfg.vocab_size, cfg.hidden_size, *extra) if embed_tokens \
             else None
         self.layers = nn.ModuleList(MoEDecoderLayer(cfg, i)
                                     for i in range(cfg.num_hidden_layers))

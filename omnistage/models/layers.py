@@ -17,6 +17,8 @@ from omnistage.checkpoint import load_parameters
 from omnistage.engine.ar.attention import _triton_ok, paged_attention, write_kv
 from omnistage.engine.ar.kernels import KernelOptions
 from omnistage.engine.ar.interface import DecoderContract, ForwardBatch, merge_inputs
+from omnistage.layers.parallel import (ParallelLMHead, VocabParallelEmbedding, column_linear,
+                                       current_tp, head_layout, row_linear, split)
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,21 @@ def attention_out_mlp(x, o, wo, ln_w, eps: float, w_gate_up, b_gate_up, wd, bd):
     return x + _linear(nn.functional.silu(gate) * up, wd, bd)
 
 
+def residual_mlp_in(x, attn, ln_w, eps: float, w_gate_up, b_gate_up):
+    """Tensor parallel: x + the reduced attention output -> (new residual [T, D], SiLU(gate) *
+    up of this rank's intermediate slice [T, F / size])."""
+    x = x + attn
+    gate, up = _linear(_rms_norm(x, ln_w, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
+    return x, nn.functional.silu(gate) * up
+
+
+def row_parallel_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     tp) -> torch.Tensor:
+    """A row-parallel linear: this rank's partial product, all-reduced, then the whole bias."""
+    out = tp.all_reduce(_linear(x, weight))
+    return out if bias is None else out + bias
+
+
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linears over the same input; each linear's parameters
     become views into it, so checkpoint names keep working and memory is not doubled."""
@@ -191,7 +208,8 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 # NOTE: on CUDA the engine runs these compiled (torch.compile fuses the norms, rope, activation
 # and residuals around the GEMMs); the paged attention between them stays our Triton kernel.
 # "qkv" serves the fused rope + KV-write path (below), "in" the plain one.
-KERNELS = {"in": attention_in, "qkv": attention_qkv, "out": attention_out_mlp}
+KERNELS = {"in": attention_in, "qkv": attention_qkv, "out": attention_out_mlp,
+           "tp_mlp_in": residual_mlp_in}
 
 
 @functools.cache
@@ -202,18 +220,30 @@ def compiled_kernels() -> dict:
 
 class Attention(nn.Module):
     """q/k/v/o projections (q/k/v biased as the config says, o_proj as `o_proj_bias`); the
-    engine binds k_cache/v_cache."""
+    engine binds k_cache/v_cache. Under tensor parallelism (layers/parallel.py) this rank's
+    heads: q/k/v column-parallel, o_proj row-parallel (its product a partial sum)."""
 
     def __init__(self, cfg: DecoderConfig, o_proj_bias: bool = False) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.tp = tp = current_tp()
+        layout = head_layout(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=o_proj_bias)
+        d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        if not tp.enabled:
+            self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+            self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+            self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+            self.o_proj = nn.Linear(self.num_heads * hd, d, bias=o_proj_bias)
+        else:
+            q_rows = [(layout.q_start * hd, self.num_heads * hd)]
+            kv_rows = [(layout.kv_start * hd, self.num_kv_heads * hd)]
+            full_q, full_kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+            self.q_proj = column_linear(d, full_q, q_rows, bias)
+            self.k_proj = column_linear(d, full_kv, kv_rows, bias)
+            self.v_proj = column_linear(d, full_kv, kv_rows, bias)
+            self.o_proj = row_linear(full_q, d, *q_rows[0], bias=o_proj_bias)
         # bound by the engine: [num_blocks, block_size, n_kv, hd]
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -222,10 +252,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        d, f, tp = cfg.hidden_size, cfg.intermediate_size, current_tp()
+        if not tp.enabled:
+            self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+            self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+            return
+        start, n = split(f, tp, "intermediate_size")
+        self.gate_proj = column_linear(d, f, [(start, n)], cfg.mlp_bias)
+        self.up_proj = column_linear(d, f, [(start, n)], cfg.mlp_bias)
+        self.down_proj = row_linear(f, d, start, n, cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -262,6 +298,8 @@ class DecoderLayer(nn.Module):
     def uses_triton_gemv(self, x: torch.Tensor) -> bool:
         """Whether this step's rows x run through the Triton GEMVs (KernelOptions)."""
         opts = self.kernels
+        if self.self_attn.tp.enabled:  # (the GEMVs' fused residuals cannot all-reduce)
+            return False
         if x.shape[0] > opts.gemv_max_rows or not self.uses_fused_rope_kv(x.device):
             return False
         if opts.triton_gemv is not None:
@@ -295,6 +333,12 @@ class DecoderLayer(nn.Module):
             write_kv(k, v, a.k_cache, a.v_cache, batch.attn.slot_mapping)
         o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale, pdl=opts.pdl)
         post = self.post_attention_layernorm
+        if a.tp.enabled:  # row-parallel o_proj and down_proj: all-reduced partial sums
+            attn = row_parallel_out(o.reshape(o.shape[0], -1), a.o_proj.weight, a.o_proj.bias,
+                                    a.tp)
+            x, h = kernels["tp_mlp_in"](x, attn, post.weight, post.eps, self.w_gate_up,
+                                        self.b_gate_up)
+            return x + row_parallel_out(h, m.down_proj.weight, m.down_proj.bias, a.tp)
         if gemv:
             x = tg.gemv_residual(o.reshape(o.shape[0], -1), a.o_proj.weight, x, **launch)
             h = tg.norm_gemv_silu_mul(x, post.weight, post.eps, self.w_gate_up, self.b_gate_up,
@@ -309,7 +353,11 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, embed_dim: int | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim or cfg.hidden_size)
+        tp = current_tp()
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, embed_dim or cfg.hidden_size)
+                             if not tp.enabled else
+                             VocabParallelEmbedding(cfg.vocab_size, embed_dim or cfg.hidden_size,
+                                                    tp))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
@@ -323,26 +371,50 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(DecoderContract, nn.Module):
-    """A plain causal LM on the engine's model interface (engine/ar/interface.py)."""
+    """A plain causal LM on the engine's model interface (engine/ar/interface.py). Built
+    inside layers.parallel.tensor_parallel(tp): this rank's shard (`self.tp`)."""
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
+        self.tp = current_tp()
         self.config = DecoderConfig.from_hf(hf_config,
                                             attention_bias=self.attention_bias(hf_config))
         self.model = DecoderModel(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head = parallel_lm_head(self.config.hidden_size, self.config.vocab_size,
+                                        self.model.embed_tokens, self.tp,
+                                        self.config.tie_word_embeddings)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not self.tp.enabled:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, this rank's KV heads, head_dim): under tensor parallelism a rank caches
+        only its heads."""
+        c = self.config
+        return c.num_hidden_layers, self.model.layers[0].self_attn.num_kv_heads, c.head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return embed_lookup(self.input_embedding, input_ids)
+
+    def embed_row(self, token_id: int) -> torch.Tensor:
+        return embed_row_lookup(self.input_embedding, token_id)
 
     @staticmethod
     def attention_bias(hf_config: dict) -> bool | None:
         return None  # from the config
 
+    @classmethod
+    def supports_tensor_parallel(cls) -> bool:
+        """Whether a shard of it runs under tensor parallelism: a subclass with a forward of
+        its own (the Qwen2.5-Omni talker's) may embed with the local lookup, so it does not."""
+        return cls.forward is DecoderForCausalLM.forward
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(merge_inputs(self.embed(batch.input_ids), batch), batch)
+        # the module call: collective under tensor parallelism (embed() is a local lookup)
+        return self.model(merge_inputs(self.input_embedding(batch.input_ids), batch), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -354,3 +426,28 @@ class DecoderForCausalLM(DecoderContract, nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # a tied head is the embedding's parameter: named_parameters lists it once
         load_parameters(self, tensors, rename=self.checkpoint_name)
+
+
+def parallel_lm_head(dim: int, vocab_size: int, embedding: nn.Module, tp,
+                     tied: bool) -> nn.Module:
+    """nn.Linear, or under tensor parallelism the vocab-parallel head (sharing the
+    embedding's rows when tied)."""
+    if not tp.enabled:
+        return nn.Linear(dim, vocab_size, bias=False)
+    return ParallelLMHead(dim, vocab_size, tp, embedding if tied else None)
+
+
+def embed_lookup(table: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token rows outside a step (adapters, on rank 0): no collective."""
+    if isinstance(table, VocabParallelEmbedding):
+        return table.lookup(input_ids)
+    return table(input_ids)
+
+
+def embed_row_lookup(table: nn.Module, token_id: int) -> torch.Tensor:
+    """One token's row [D], a view of the (whole) table."""
+    if isinstance(table, VocabParallelEmbedding):
+        if table.full_table is None:
+            table.lookup(torch.zeros(1, dtype=torch.long))  # raises: not rank 0
+        return table.full_table[token_id]
+    return table.weight[token_id]

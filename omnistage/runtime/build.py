@@ -3,16 +3,21 @@ its device, an AR stage's engine config, default sampling, request ids and seeds
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnistage.config.schema import EngineOptions, PipelineConfig, StageConfig
+from omnistage.config.schema import (MAX_STAGE_DEVICES, EngineOptions, PipelineConfig,
+                                     StageConfig)
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
+from omnistage.engine.ar.tp import start_workers
+from omnistage.layers.parallel import current_tp, tensor_parallel
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
 from omnistage.runtime import startup
 from omnistage.sampling_params import SamplingParams
@@ -94,7 +99,13 @@ def build_ar_engine(ctx: StageContext, model: torch.nn.Module, cfg: EngineConfig
                     row_width: int | None = None) -> AREngine:
     """An AR stage's engine on `model` (built and loaded), its decode graphs captured with
     `warm_params` (and `row_width`-wide additive rows); timed as the stage's `engine` (KV cache,
-    compiled layers) and `graphs` start-up phases."""
+    compiled layers) and `graphs` start-up phases. With the stage's tensor_parallel_size > 1,
+    `model` is this rank's shard (built by build_ranks inside its group); the config records
+    the ranks and their devices."""
+    tp = getattr(ctx, "tensor_parallel_size", 1)
+    if tp != cfg.tensor_parallel_size or tp > 1:  # the stage's placement decides its ranks
+        devices = tuple(str(d) for d in ctx.devices) if tp > 1 else None
+        cfg = dataclasses.replace(cfg, tensor_parallel_size=tp, devices=devices)
     with startup.phase("engine"):
         engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer, eos_token_ids)
     with startup.phase("graphs"):
@@ -143,6 +154,11 @@ class StageContext:
     device: torch.device
     dtype: torch.dtype
     options: dict[str, Any]  # the pipeline's checked constructor options
+    # this replica's devices, its tensor-parallel ranks in order (device = devices[0]); a
+    # builder that shards its model (TP > 1) places rank i on devices[i]
+    devices: tuple[torch.device, ...] = ()
+    tensor_parallel_size: int = 1  # the stage's own (StagePlacement.tp)
+    replica: int = 0  # which of the stage's `replicas` this is
 
     @property
     def name(self) -> str:
@@ -154,32 +170,129 @@ class StageContext:
 
 
 def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
-                       device: torch.device, dtype: torch.dtype, options: dict[str, Any]):
+                       device: torch.device, dtype: torch.dtype, options: dict[str, Any],
+                       placement: StagePlacement | None = None):
     """A stage's worker from its YAML `model` through the registry (here or in a stage
-    process): no pipeline names its stages' classes."""
+    process): no pipeline names its stages' classes. `placement`: which replica, on which
+    devices (None: one replica on `device`)."""
     from omnistage.models.registry import STAGE_BUILDERS, import_all_models
     import_all_models()
     stage = pipeline.stage(name)
-    ctx = StageContext(Path(path), config, pipeline, stage, device, dtype, options)
-    return STAGE_BUILDERS[stage.model].build(ctx)
+    if placement is None:
+        placement = StagePlacement(0, (str(device),), 1)
+    devices = tuple(torch.device(d) for d in placement.devices)
+    ctx = StageContext(Path(path), config, pipeline, stage, device, dtype,
+                       placement.stage_options(options), devices, placement.tp,
+                       placement.replica)
+    return build_ranks(ctx, STAGE_BUILDERS[stage.model].build, placement)
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """One replica of a stage: its index, its devices (TP ranks in order), its TP size."""
+
+    replica: int
+    devices: tuple[str, ...]
+    tp: int
+
+    def stage_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The constructor options as this stage sees them: a constructor-wide
+        `tensor_parallel_size` engine option is replaced by the stage's own TP, so no stage
+        inherits another's (vLLM-Omni's broadcast crashed one-device stages)."""
+        engine = options.get("engine")
+        if not isinstance(engine, dict) or "tensor_parallel_size" not in engine:
+            return options
+        return {**options, "engine": {**engine, "tensor_parallel_size": self.tp}}
+
+
+def stage_placements(stage: StageConfig, index: int, device: torch.device,
+                     options: dict[str, Any], num_stages: int) -> list[StagePlacement]:
+    """Each replica's devices, checked to exist (ValueError naming stages[i].devices[j]).
+    A constructor-wide tensor_parallel_size applies only to a one-stage pipeline (a plain LM)
+    whose stage names no devices or TP of its own: its ranks go on GPUs 0..TP-1 (or all on
+    the CPU); every other stage keeps its own TP (1 without `devices`)."""
+    engine = options.get("engine")
+    wide_tp = engine.get("tensor_parallel_size") if isinstance(engine, dict) else None
+    own_tp = stage.tensor_parallel_size or getattr(stage.engine, "tensor_parallel_size", None)
+    if wide_tp is not None and (not isinstance(wide_tp, int) or isinstance(wide_tp, bool)
+                                or not 1 <= wide_tp <= MAX_STAGE_DEVICES):
+        raise ValueError(f"tensor_parallel_size: {wide_tp!r}; an integer in "
+                         f"[1, {MAX_STAGE_DEVICES}]")
+    if (wide_tp or 1) > 1 and num_stages == 1 and stage.devices is None and own_tp is None \
+            and stage.device is None and stage.kind == "ar":
+        devs = ["cpu"] * wide_tp if device.type == "cpu" else [f"cuda:{i}" for i in
+                                                               range(wide_tp)]
+        stage = stage.model_copy(update={"devices": devs * stage.replicas,
+                                         "tensor_parallel_size": wide_tp})
+    placements = []
+    for r, devs in enumerate(stage.replica_devices(str(device))):
+        checked = []
+        for j, d in enumerate(devs):
+            where = f"stages[{index}].devices[{r * stage.tp_size + j}]" if stage.devices \
+                else f"stages[{index}].device"
+            try:
+                checked.append(str(resolve_device(d)))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from e
+        placements.append(StagePlacement(r, tuple(checked), stage.tp_size))
+    return placements
 
 
 def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[StageConfig],
                  device: torch.device, dtype: torch.dtype, options: dict[str, Any]
                  ) -> tuple[dict[str, Any], dict[str, StageProcessSpec]]:
-    """The stages, in pipeline order, each placed on its YAML device/dtype (else the
-    constructor's): a worker built here, or the spec of a stage process of its own
-    (options["stage_worker"] for every stage, else the stage's `worker`)."""
+    """The stages, in pipeline order, each replica placed on its YAML devices/dtype (else the
+    constructor's): a worker built here, or the spec of a stage process or Ray actor of its
+    own (options["stage_worker"] for every stage, else the stage's `worker`). Keys: the
+    replica's unit name (runtime.replicas.unit_name: the stage's name for one replica)."""
+    from omnistage.runtime.replicas import unit_name
     workers: dict[str, Any] = {}
     process_stages: dict[str, StageProcessSpec] = {}
     for stage in stages:
-        dev = resolve_device(stage.device) if stage.device else device
-        dt = dtype if stage.dtype == "auto" else resolve_dtype(stage.dtype, dev)
-        if (options["stage_worker"] or stage.worker) == "process":
-            process_stages[stage.name] = stage_process_spec(path, config, pipeline, stage.name,
-                                                            dev, dt, options)
-        else:
-            with startup.phase(stage.name):
-                workers[stage.name] = build_stage_worker(path, config, pipeline, stage.name, dev,
-                                                         dt, options)
+        placements = stage_placements(stage, pipeline.stage_names.index(stage.name), device,
+                                      options, len(pipeline.stages))
+        kind = options.get("stage_worker") or stage.worker
+        for placement in placements:
+            dev = torch.device(placement.devices[0])
+            dt = dtype if stage.dtype == "auto" else resolve_dtype(stage.dtype, dev)
+            unit = unit_name(stage.name, placement.replica, stage.replicas)
+            if kind in ("process", "ray"):
+                process_stages[unit] = stage_process_spec(
+                    path, config, pipeline, stage.name, dev, dt, options, placement, kind)
+            else:
+                with startup.phase(unit):
+                    workers[unit] = build_stage_worker(path, config, pipeline, stage.name,
+                                                       dev, dt, options, placement)
     return workers, process_stages
+
+
+def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],
+                placement: StagePlacement):
+    """build(ctx); with ctx.tensor_parallel_size N > 1 (outside a rank's group) as rank 0 of N:
+    ranks 1..N-1 start in processes of their own (engine/ar/tp.py), each building the same
+    stage on its device (ctx.devices[rank]) and following rank 0's steps."""
+    size = ctx.tensor_parallel_size
+    if size == 1 or current_tp().enabled:  # one rank, or a worker rank building its shard
+        return build(ctx)
+    devices = list(ctx.devices)
+    tp, workers = start_workers(size, devices, build_tp_rank,
+                                (str(ctx.path), ctx.config, ctx.pipeline, ctx.name, ctx.dtype,
+                                 ctx.options, placement))
+    try:
+        with tensor_parallel(tp):
+            worker = build(dataclasses.replace(ctx, device=devices[0]))
+        workers.attach(worker.engine.runner)
+        workers.wait_ready()
+    except BaseException:
+        workers.abandon()  # its ranks failed, or wait for a step that will not come
+        raise
+    return worker
+
+
+def build_tp_rank(path: str, config: dict, pipeline: PipelineConfig, name: str,
+                  dtype: torch.dtype, options: dict[str, Any], placement: StagePlacement,
+                  device: torch.device):
+    """A worker rank's build (engine/ar/tp.py calls it inside the rank's group): the stage as
+    rank 0 builds it, on this rank's device; returns its ModelRunner."""
+    worker = build_stage_worker(path, config, pipeline, name, device, dtype, options, placement)
+    return worker.engine.runner

@@ -27,6 +27,7 @@ from PIL import Image
 
 from omnistage.outputs import OmniRequestOutput, StageOutput
 from omnistage.runtime.process import ProcessStage, StageProcessSpec, unpack_events
+from omnistage.runtime.replicas import ReplicaSet
 from omnistage.runtime.stage import (LaunchedStep, StageEvent, StageHost, StageLink,
                                      StageWorker)
 
@@ -80,17 +81,26 @@ class Orchestrator:
                  process_stages: dict[str, StageProcessSpec] | None = None,
                  order: list[str] | None = None, startup_timeout: float = 600.0,
                  overlap: bool | None = None) -> None:
+        # NOTE: keys of `workers` / `process_stages` are units: a stage, or one replica of a
+        # replicated stage ("code2wav/1", replicas.unit_name); `hosts` has one entry per stage
+        # (a ReplicaSet where a stage has several replicas), the loop steps every unit
         process_stages = process_stages or {}
-        order = order or [*workers, *(n for n in process_stages if n not in workers)]
-        self.workers = workers  # the stages in this process
+        self.workers = workers  # the stage units in this process
         if overlap is None:  # auto: on when a stage here runs on a GPU
             overlap = any(w.device.type == "cuda" for w in workers.values())
         self.overlap = overlap
         self.inflight: dict[str, LaunchedStep] = {}  # overlap: launched, not collected yet
         self.local = {n: StageHost(w, self._deliver) for n, w in workers.items()}
-        self.remote = {n: ProcessStage(spec) for n, spec in process_stages.items()}
-        self.hosts: dict[str, StageHost | ProcessStage] = {
-            n: self.local[n] if n in self.local else self.remote[n] for n in order}
+        self.remote = {n: self._remote_stage(spec) for n, spec in process_stages.items()}
+        self.units: dict[str, Any] = {**self.local, **self.remote}
+        by_stage: dict[str, list[Any]] = {}
+        for unit in sorted(self.units, key=lambda u: (u.split("/")[0], len(u), u)):
+            by_stage.setdefault(self.units[unit].name, []).append(self.units[unit])
+        order = order or list(by_stage)
+        self.hosts: dict[str, Any] = {
+            n: by_stage[n][0] if len(by_stage[n]) == 1 else ReplicaSet(n, by_stage[n])
+            for n in order}
+        self.unit_stage = {u: h.name for u, h in self.units.items()}
         specs = list(process_stages.values())
         self.edges = [(i.upstream, s.name) for s in (specs[0].pipeline.stages if specs else ())
                       for i in s.inputs if i.upstream in self.hosts and s.name in self.hosts]
@@ -100,11 +110,16 @@ class Orchestrator:
         # test hook: (stage, request id, tokens so far, audio chunk?) per event
         self.trace: list[tuple[str, str, int, bool]] | None = None
         self.stage_errors: dict[str, int] = {name: 0 for name in self.hosts}
+        self.unit_errors: dict[str, int] = {unit: 0 for unit in self.units}
         self.finished_requests = 0
         self._torch_threads = torch.get_num_threads()  # intra-op threads are per OS thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = mp.Pipe(duplex=False) if self.remote else (None, None)
+        # idle: how long to wait on stage processes' pipes (a Ray actor has none to wake us:
+        # its events are polled, so the wait is short)
+        self._idle_wait = 0.005 if any(s.spec.worker == "ray" for s in self.remote.values()) \
+            else 0.05
         if self.remote:
             self._start_remote(startup_timeout)
         if background:
@@ -127,11 +142,14 @@ class Orchestrator:
             self._wake_w.send_bytes(b"")
 
     def set_step_delay(self, stage: str, seconds: float) -> None:
-        """Test hook: slow a stage down (here or in its process)."""
-        if stage in self.remote:
-            self.remote[stage].set_step_delay(seconds)
-        else:
-            self.step_delay[stage] = seconds
+        """Test hook: slow a stage (every replica of it) down, here or in its process."""
+        for unit, name in self.unit_stage.items():
+            if name != stage:
+                continue
+            if unit in self.remote:
+                self.remote[unit].set_step_delay(seconds)
+            else:
+                self.step_delay[unit] = seconds
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step: requests still running end with the error
@@ -167,55 +185,99 @@ class Orchestrator:
         return len(self.requests)
 
     def stats(self) -> dict[str, dict[str, float]]:
+        """Per stage (a replicated stage's replicas added up: replica_stats)."""
         return {name: h.stats() for name, h in self.hosts.items()}
 
+    def replica_stats(self) -> dict[str, list[dict[str, float]]]:
+        """Per stage, each replica's stats (one entry for a stage of one replica)."""
+        return {name: h.replica_stats() if isinstance(h, ReplicaSet) else [h.stats()]
+                for name, h in self.hosts.items()}
+
+    def replica_of(self, stage: str, request_id: str) -> int | None:
+        """Which replica of `stage` holds the request now (0 for a stage of one replica)."""
+        host = self.hosts[stage]
+        return host.replica_of(request_id) if isinstance(host, ReplicaSet) else 0
+
     # ---------------------------------------------------------------- stage processes
+    @staticmethod
+    def _remote_stage(spec: StageProcessSpec) -> Any:
+        if spec.worker == "ray":
+            from omnistage.runtime.ray_placement import RayStage
+            return RayStage(spec)
+        return ProcessStage(spec)
+
+    def _direct(self, up: str, down: str) -> bool:
+        """Whether an edge's data goes stage to stage without this process: both ends one
+        unit of the same kind outside it (a pipe between stage processes, a Ray call between
+        actors); else through here (a replicated end: the ReplicaSet routes it)."""
+        a, b = self.hosts[up], self.hosts[down]
+        return (up in self.remote and down in self.remote
+                and type(a) is type(b) and not isinstance(a, ReplicaSet))
+
     def _start_remote(self, timeout: float) -> None:
-        pipes = {(u, d): mp.get_context("spawn").Pipe(duplex=False) for u, d in self.edges
-                 if u in self.remote and d in self.remote}
-        for name, stage in self.remote.items():
-            stage.start({u: pipes[(u, d)][0] for u, d in pipes if d == name},
-                        {d: pipes[(u, d)][1] if (u, d) in pipes else None
-                         for u, d in self.edges if u == name})
+        direct = [(u, d) for u, d in self.edges if self._direct(u, d)]
+        pipes = {(u, d): mp.get_context("spawn").Pipe(duplex=False) for u, d in direct
+                 if isinstance(self.remote[u], ProcessStage)}
+        for stage in reversed(list(self.remote.values())):  # Ray: downstream handles first
+            name = stage.name
+            if isinstance(stage, ProcessStage):
+                stage.start({u: pipes[(u, d)][0] for u, d in pipes if d == name},
+                            {d: pipes[(u, d)][1] if (u, d) in pipes else None
+                             for u, d in self.edges if u == name})
+            else:
+                stage.start({d: self.remote[d] if (name, d) in direct else None
+                             for u, d in self.edges if u == name})
         deadline = time.monotonic() + timeout
         while not all(s.ready for s in self.remote.values()):
-            for name, stage in self.remote.items():
+            for unit, stage in self.remote.items():
                 for msg in stage.poll():
                     if msg[0] == "ready":
                         stage.ready = True
                     elif msg[0] == "failed":
                         self._stop_remote()
-                        raise RuntimeError(f"stage {name}: its process failed to start: {msg[1]}")
+                        raise RuntimeError(f"stage {unit}: its process failed to start: {msg[1]}")
                 if stage.dead:
                     self._stop_remote()
-                    raise RuntimeError(f"stage {name}: its process exited while starting "
-                                       f"(exit code {stage.proc.exitcode})")
+                    raise RuntimeError(f"stage {unit}: {stage.death()} while starting")
             if time.monotonic() > deadline:
                 self._stop_remote()
                 raise RuntimeError(f"stage processes not ready after {timeout} s")
             time.sleep(0.01)
 
-    def _restart(self, name: str) -> None:
-        """A stage process died: fail the requests it held, start a new one, relink pipes."""
-        stage = self.remote[name]
-        code = stage.proc.exitcode if stage.proc is not None else None
-        log.error("stage %s: its process died (exit code %s); restarting it", name, code)
+    def _restart(self, unit: str) -> None:
+        """A stage unit's process (or Ray actor) died: fail the requests it held, start a new
+        one, relink its neighbours."""
+        stage = self.remote[unit]
+        name = stage.name
+        cause = stage.death()
+        log.error("stage %s: %s; restarting it", unit, cause)
         self.stage_errors[name] += 1
-        stage.conn = None
+        self.unit_errors[unit] += 1
+        host = self.hosts[name]
+        held = set(host.requests_on(host.replicas.index(stage))) \
+            if isinstance(host, ReplicaSet) else None
         for rid, req in list(self.requests.items()):
-            if name in req.path:
-                self._fail(rid, f"stage {name}: its process died (exit code {code})")
+            if name in req.path and (held is None or rid in held):
+                self._fail(rid, f"stage {unit}: {cause}")
+        if not isinstance(stage, ProcessStage):  # a Ray actor: re-placed, relinked by handle
+            stage.restarts += 1
+            stage.restart()
+            for up, down in self.edges:
+                if down == name and self._direct(up, down):
+                    self.remote[up].send(("relink_out", name, stage))
+            return
+        stage.conn = None
         ctx = mp.get_context("spawn")
         in_edges, out_edges = {}, {}
         for up, down in self.edges:
-            if down == name and up in self.remote:
+            if down == name and self._direct(up, down):
                 r, w = ctx.Pipe(duplex=False)
                 in_edges[up] = r
                 self.remote[up].send(("relink_out", name, w))
                 w.close()
             elif up == name:
                 out_edges[down] = None
-                if down in self.remote:
+                if self._direct(up, down):
                     r, w = ctx.Pipe(duplex=False)
                     out_edges[down] = w
                     self.remote[down].send(("relink_in", name, r))
@@ -223,12 +285,12 @@ class Orchestrator:
         stage.restarts += 1
         stage.start(in_edges, out_edges)
 
-    def _poll_remote(self, name: str) -> None:
-        stage = self.remote[name]
+    def _poll_remote(self, unit: str) -> None:
+        stage = self.remote[unit]
         for msg in stage.poll():
             kind = msg[0]
             if kind == "events":
-                for ev in unpack_events(name, msg[1]):
+                for ev in unpack_events(stage.name, msg[1]):
                     self._route(ev)
             elif kind == "data":  # a link into a stage of this process
                 self.hosts[msg[1]].receive(*msg[2:])
@@ -238,9 +300,9 @@ class Orchestrator:
             elif kind == "ready":
                 stage.ready = True
             elif kind == "failed":
-                log.error("stage %s: its process failed to start: %s", name, msg[1])
+                log.error("stage %s: its process failed to start: %s", unit, msg[1])
         if stage.dead and not self._stop.is_set():
-            self._restart(name)
+            self._restart(unit)
 
     def refresh_stats(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
         """stats() with fresh numbers from every stage process (foreground runtimes only)."""
@@ -286,13 +348,13 @@ class Orchestrator:
         """One pass: control messages, deadlines, then a step of every stage with work."""
         busy = bool(self.inflight) or any(h.has_work() for h in self.local.values())
         if self.remote:
-            self._wait_remote(0.0 if busy else 0.05)
+            self._wait_remote(0.0 if busy else self._idle_wait)
             self._drain_control(block=False)
         else:
             self._drain_control(block=not busy)
         self._expire()
         alone = any(launched.exclusive for launched in self.inflight.values())
-        for name, host in self.hosts.items():
+        for name, host in self.units.items():
             if name in self.remote:
                 self._poll_remote(name)
             elif host.has_work() and name not in self.inflight and not alone:
@@ -352,7 +414,8 @@ class Orchestrator:
         """A step of stage `name` raised: its culprits fail alone (StageHost.recover)."""
         log.error("stage %s: a step raised; finding the requests that make it raise", name,
                   exc_info=e)
-        self.stage_errors[name] += 1
+        self.stage_errors[host.name] += 1
+        self.unit_errors[name] += 1
         self.inflight.pop(name, None)
         return host.recover(e)
 
@@ -423,6 +486,9 @@ class Orchestrator:
             req.progress = delta.progress = ev.progress
         if ev.finished:
             req.stage_reasons[ev.stage] = ev.finish_reason
+            host = self.hosts.get(ev.stage)
+            if isinstance(host, ReplicaSet):
+                host.release(req.request_id)
         if ev.error:
             self._fail(req.request_id, ev.error)
             return

@@ -46,9 +46,18 @@ class StageProcessSpec:
     dtype: str
     options: dict[str, Any]  # the pipeline's resolved options
     num_threads: int = 0  # torch intra-op threads (0: torch's default)
+    placement: Any = None  # build.StagePlacement: replica index, devices, TP (None: one)
+    worker: str = "process"  # "process" (spawned here) or "ray" (a Ray actor)
+
+    @property
+    def unit(self) -> str:
+        """The replica's name in the runtime (replicas.unit_name)."""
+        from omnistage.runtime.replicas import unit_name
+        replicas = self.pipeline.stage(self.stage).replicas
+        return unit_name(self.stage, self.placement.replica if self.placement else 0, replicas)
 
 
-STAGE_WORKERS = ("inprocess", "process")
+STAGE_WORKERS = ("inprocess", "process", "ray")
 
 
 def pop_stage_worker(options: dict[str, Any]) -> str | None:
@@ -60,9 +69,11 @@ def pop_stage_worker(options: dict[str, Any]) -> str | None:
 
 
 def stage_process_spec(path, config: dict, pipeline: Any, stage: str, device: torch.device,
-                       dtype: torch.dtype, options: dict[str, Any]) -> StageProcessSpec:
+                       dtype: torch.dtype, options: dict[str, Any], placement: Any = None,
+                       worker: str = "process") -> StageProcessSpec:
     return StageProcessSpec(str(path), config, pipeline, stage, str(device),
-                            str(dtype).removeprefix("torch."), options)
+                            str(dtype).removeprefix("torch."), options, placement=placement,
+                            worker=worker)
 
 
 def dumps(obj: Any) -> bytes:
@@ -157,6 +168,11 @@ class ProcessStage:
             self.dead = True
         return out
 
+    def death(self) -> str:
+        """Why it is dead (for the errors of the requests it held)."""
+        code = self.proc.exitcode if self.proc is not None else None
+        return f"its process died (exit code {code})"
+
     def stats(self) -> dict[str, float]:
         """The last report (a stage process reports every STATS_INTERVAL while it steps)."""
         return dict(self.last_stats, restarts=self.restarts, alive=float(not self.dead),
@@ -176,12 +192,11 @@ class ProcessStage:
 
 # ------------------------------------------------------------------------- child side
 def build_stage_worker(spec: StageProcessSpec):
-    from omnistage.models.registry import resolve_pipeline
-    pipeline_cls = resolve_pipeline(spec.config)
-    device = torch.device(spec.device)
-    dtype = getattr(torch, spec.dtype)
-    return pipeline_cls.build_stage(Path(spec.path), spec.config, spec.pipeline, spec.stage, device,
-                                    dtype, spec.options)
+    """The spec's stage worker (every pipeline builds its stages through the registry)."""
+    from omnistage.runtime.build import build_stage_worker as build_worker
+    return build_worker(Path(spec.path), spec.config, spec.pipeline, spec.stage,
+                        torch.device(spec.device), getattr(torch, spec.dtype), spec.options,
+                        spec.placement)
 
 
 def stage_process_main(spec: StageProcessSpec, ctrl: Connection,

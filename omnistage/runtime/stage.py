@@ -11,6 +11,8 @@ next to the downstream model). Hidden rows never reach the orchestrator."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -187,6 +189,47 @@ class StageLink:
 
 # deliver(downstream stage, request id, link index, message)
 Deliver = Callable[[str, str, int, Any], None]
+_MOVE_DEPTH = 3  # containers inside a link message searched for tensors
+
+
+def move_tensors(obj: Any, device: torch.device, depth: int = _MOVE_DEPTH) -> Any:
+    """`obj` (a link message: dataclass, tuple, list, dict or tensor) with its tensors on
+    `device`; obj itself when none has to move.
+
+    NOTE: between two GPUs of one host this is a device-to-device copy (peer-to-peer over
+    NVLink/PCIe, queued without a host sync: non_blocking); a tensor that came from another
+    process arrived as a CUDA IPC handle, so it too is copied GPU to GPU, never through host
+    memory. Towards the CPU (a Ray object, a CPU stage) the copy is blocking, as a
+    non_blocking copy into pageable memory could be read before it lands."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device or (device.index is None and obj.device.type == device.type):
+            return obj
+        return obj.to(device, non_blocking=device.type == "cuda")
+    if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        moved = [move_tensors(x, device, depth - 1) for x in obj]
+        if all(a is b for a, b in zip(moved, obj)):
+            return obj
+        return type(obj)(moved) if isinstance(obj, list) or type(obj) is tuple else \
+            type(obj)(*moved)
+    if isinstance(obj, dict):
+        moved_d = {k: move_tensors(v, device, depth - 1) for k, v in obj.items()}
+        return obj if all(moved_d[k] is v for k, v in obj.items()) else moved_d
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            moved_v = move_tensors(value, device, depth - 1)
+            if moved_v is not value:
+                changes[f.name] = moved_v
+        if not changes:
+            return obj
+        out = copy.copy(obj)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)
+        return out
+    return obj
 MAX_EARLY_MESSAGES = 4096  # link messages held for requests whose submit has not arrived yet
 DONE_MEMORY = 4096  # finished request ids remembered, so their late messages are dropped
 
@@ -217,7 +260,9 @@ class StageHost:
             self.early.setdefault(request_id, []).append((index, msg))
             self.num_early += 1
             return
-        links[index].adapter.receive(request_id, msg, self.worker)
+        # data from a stage on another device: moved next to this one (see move_tensors)
+        links[index].adapter.receive(request_id, move_tensors(msg, self.worker.device),
+                                     self.worker)
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)

@@ -5,6 +5,10 @@ pipeline) and schema-violating; then values at any depth swapped for JSON edge t
 2^64, lone surrogates, nesting 3000 deep, oversized strings) and whole bodies that are not JSON.
 GET routes get random path ids, queries and headers; any method on any path an OpenAI error.
 
+POST /v1/audio/transcriptions takes multipart/form-data: its generated bodies are sent as forms
+(a list as repeated parts, the binary `file` as a file part), mutated by swapping a field for an
+edge token, duplicating, renaming or retyping a part, and replaced by malformed multipart bodies.
+
 Servers: uvicorn threads on the tiny Qwen2.5-Omni (max_model_len 128, so that no request runs
 long) and the tiny Z-Image (sides capped at 64 px). Every endpoint gets at least MIN_CASES
 generated requests per mode (counted). Every answer must be below 500, every 4xx OpenAI's
@@ -48,6 +52,7 @@ IMAGE_NAME = "tiny-z-image"
 IMAGE_MAX_SIDE = 64
 CHAT, SPEECH, IMAGES = "/v1/chat/completions", "/v1/audio/speech", "/v1/images/generations"
 COMPLETIONS = "/v1/completions"
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 # no shrinking: a failure names its request, and shrinking through a server takes minutes
@@ -111,7 +116,18 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def _wav_of(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
+    buf = io.BytesIO()
+    x = np.random.default_rng(1).uniform(-0.3, 0.3, (int(seconds * rate), channels))
+    soundfile.write(buf, x, rate, format="WAV")
+    return buf.getvalue()
+
+
 WAV, PNG, MP4 = _wav(), _png(), _mp4()
+# uploads for steered transcription forms: valid clips (other rates, stereo, FLAC), damaged
+# ones, one over the server's 30 s limit (a 400 from its header), and files that are not audio
+UPLOADS = [WAV, _wav_of(0.5, 8000), _wav_of(0.3, 44100, 2), *_damaged(WAV), _wav_of(31, 2000),
+           PNG, MP4, b"plain text"]
 AUDIO_DATA = [_b64(d) for d in (WAV, *_damaged(WAV))] + ["not base64!", "QQ", "QUJD"]
 IMAGE_URLS = [f"data:image/png;base64,{_b64(d)}" for d in (PNG, *_damaged(PNG))] + [
     "data:image/png,raw", "http://127.0.0.1:1/x.png", "/etc/passwd", "file:///etc/passwd"]
@@ -254,6 +270,15 @@ def _speech_fixes(srv: _ThreadServer) -> dict[str, Callable[[Any, random.Random]
             "speed": lambda v, rng: 1.0 if rng.random() < 0.8 else v}
 
 
+def _transcription_fixes(srv: _ThreadServer) -> dict[str, Callable[[Any, random.Random], Any]]:
+    valid = UPLOADS[:3]
+    return {"model": lambda v, rng: MODEL_NAME,
+            "file": lambda v, rng: rng.choice(valid if rng.random() < 0.6 else UPLOADS),
+            "language": lambda v, rng: rng.choice(["en", "zh", "EN", "yue", "xx", v]),
+            "response_format": lambda v, rng: v if rng.random() < 0.8 else
+            rng.choice(["srt", "vtt", "JSON"])}
+
+
 def _image_fixes(srv: _ThreadServer) -> dict[str, Callable[[Any, random.Random], Any]]:
     return {"model": lambda v, rng: IMAGE_NAME if rng.random() < 0.8 else v,
             "size": lambda v, rng: rng.choice(IMAGE_SIZES),
@@ -336,8 +361,89 @@ class _Target:
             body = _steer(body, self.fixes, rng)
         return _steer(body, self.bounds, rng)
 
-    def send(self, label: str, content: bytes) -> httpx.Response:
-        return self.srv.send("POST", self.path, label, content)
+    def post(self, label: str, body: Any) -> httpx.Response:
+        """Send a body (a dict as JSON, bytes as they are)."""
+        return self.srv.send("POST", self.path, label, _encode(body))
+
+    def invalid(self, data, rng: random.Random, kind: str, label: str) -> None:
+        """One invalid request of `kind` (see _fuzz_invalid)."""
+        if kind == "schema":
+            body = self.body(data.draw(self.cases(GenerationMode.NEGATIVE)), rng,
+                             rng.random() < self.steer_odds)
+            self.post(label, body)
+        elif kind == "mutated":
+            body = self.body(data.draw(self.cases(GenerationMode.POSITIVE)), rng, True)
+            token = data.draw(st.sampled_from(EDGE_TOKENS))
+            self.post(label, _mutate(body, token, rng) if isinstance(body, dict) else body)
+        else:
+            self.post(label, rng.choice(RAW_BODIES))
+
+
+def _form_parts(body: dict) -> list[tuple[str, tuple]]:
+    """A generated body as multipart parts: bytes (schemathesis' Binary) as a file part, a list
+    as repeated parts, None left out (a form has no null), other values as text."""
+    parts = []
+    for name, value in body.items():
+        for item in value if isinstance(value, list) else [value]:
+            data = getattr(item, "data", item)
+            if isinstance(data, bytes):
+                parts.append((name, ("upload.bin", data, "application/octet-stream")))
+            elif item is not None:
+                text = json.dumps(item) if isinstance(item, (bool, dict, list)) else str(item)
+                parts.append((name, (None, text.encode("utf-8", "surrogatepass"))))
+    return parts
+
+
+# multipart bodies a parser must refuse (sent with a multipart content type, boundary "b")
+RAW_FORMS = [b"", b"--b\r\n", b"--b--\r\n",
+             b"--x\r\nContent-Disposition: form-data\r\n\r\nv\r\n--x--",
+             b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + b"m" * 70_000 +
+             b"\r\n--b--\r\n", b"--b\r\nContent-Disposition: form-data\r\n\r\nv\r\n--b--\r\n",
+             b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\n",
+             b"--b\r\n" + b"X-H: v\r\n" * 5000 + b"\r\n--b--\r\n",
+             b"".join(b"--b\r\nContent-Disposition: form-data; name=\"f%d\"\r\n\r\nv\r\n" % i
+                      for i in range(40)) + b"--b--\r\n"]
+FORM_TYPES = ["multipart/form-data; boundary=b", "multipart/form-data", "multipart/form-data; "
+              "boundary=", "application/x-www-form-urlencoded", "application/json", "text/plain"]
+
+
+class _FormTarget(_Target):
+    """A multipart/form-data endpoint: bodies sent as forms."""
+
+    def post(self, label: str, body: Any, parts: list | None = None) -> httpx.Response:
+        if not isinstance(body, dict):
+            return self.srv.send("POST", self.path, label, _encode(body))
+        request = httpx.Request("POST", self.srv.url, files=parts or _form_parts(body) or
+                                [("model", (None, b""))])
+        return self.srv.send("POST", self.path, label, request.read(),
+                             headers={"content-type": request.headers["content-type"]})
+
+    def invalid(self, data, rng: random.Random, kind: str, label: str) -> None:
+        if kind != "mutated":
+            if kind == "raw" and rng.random() < 0.7:
+                self.srv.send("POST", self.path, label, rng.choice(RAW_FORMS + RAW_BODIES),
+                              headers={"content-type": rng.choice(FORM_TYPES)})
+                return
+            return super().invalid(data, rng, kind, label)
+        body = self.body(data.draw(self.cases(GenerationMode.POSITIVE)), rng, True)
+        parts = _form_parts(body) if isinstance(body, dict) else [("model", (None, b"x"))]
+        i = rng.randrange(len(parts))
+        name, (filename, *rest) = parts[i]
+        token = data.draw(st.sampled_from(EDGE_TOKENS)).encode("utf-8", "surrogatepass")
+        how = rng.choice(["value", "duplicate", "rename", "retype", "add"])
+        if how == "value":
+            parts[i] = (name, (filename, token, *rest[1:]))
+        elif how == "duplicate":
+            parts.append(parts[i])
+        elif how == "rename":
+            parts[i] = (rng.choice(["timestamp_granularities[]", "stream", "include[]", "n",
+                                    token.decode("utf-8", "replace")[:50] or "x"]),
+                        (filename, *rest))
+        elif how == "retype":  # a text field sent as a file part, or the file as text
+            parts[i] = (name, ("upload.bin", *rest) if filename is None else (None, rest[0]))
+        else:
+            parts.append((rng.choice(["extra", "file", "model"]), (None, token)))
+        self.post(label, body, parts)
 
 
 def _fuzz_valid(target: _Target) -> None:
@@ -349,7 +455,7 @@ def _fuzz_valid(target: _Target) -> None:
     @given(case=target.cases(GenerationMode.POSITIVE), seed=st.integers(0, 2**32 - 1))
     def one(case, seed):
         rng = random.Random(seed)
-        target.send(label, _encode(target.body(case, rng, rng.random() < target.steer_odds)))
+        target.post(label, target.body(case, rng, rng.random() < target.steer_odds))
 
     one()
     srv = target.srv
@@ -364,22 +470,11 @@ def _fuzz_invalid(target: _Target) -> None:
     or not an object."""
     label = f"{target.path} invalid"
 
-    bad, good = target.cases(GenerationMode.NEGATIVE), target.cases(GenerationMode.POSITIVE)
-
     @FUZZ
     @given(data=st.data(), seed=st.integers(0, 2**32 - 1),
            kind=st.sampled_from(["schema", "mutated", "mutated", "raw"]))
     def one(data, seed, kind):
-        rng = random.Random(seed)
-        if kind == "schema":
-            content = _encode(target.body(data.draw(bad), rng, rng.random() < target.steer_odds))
-        elif kind == "mutated":
-            body = target.body(data.draw(good), rng, True)
-            token = data.draw(st.sampled_from(EDGE_TOKENS))
-            content = _mutate(body, token, rng) if isinstance(body, dict) else _encode(body)
-        else:
-            content = rng.choice(RAW_BODIES)
-        target.send(label, content)
+        target.invalid(data, random.Random(seed), kind, label)
 
     one()
     assert target.srv.sent[label] >= MIN_CASES, target.srv.sent
@@ -390,15 +485,21 @@ def _fuzz_invalid(target: _Target) -> None:
 def test_openapi_types_every_request_body(omni):
     spec = omni.app.openapi()
     models = {CHAT: "ChatCompletionRequest", COMPLETIONS: "CompletionRequest",
-              SPEECH: "SpeechRequest", IMAGES: "ImageGenerationRequest"}
+              SPEECH: "SpeechRequest", IMAGES: "ImageGenerationRequest",
+              TRANSCRIPTIONS: "TranscriptionRequest"}
     posts = {p for p, ops in spec["paths"].items() if "post" in ops}
     assert posts == set(models), "a new POST endpoint: add it to the fuzz tests below"
     for path, name in models.items():
         body = spec["paths"][path]["post"]["requestBody"]
         ref = {"$ref": f"#/components/schemas/{name}"}
-        assert body["required"] and body["content"]["application/json"]["schema"] == ref
+        media = "multipart/form-data" if path == TRANSCRIPTIONS else "application/json"
+        assert body["required"] and body["content"] == {media: {"schema": ref}}
         schema = spec["components"]["schemas"][name]
         assert schema["additionalProperties"] is False and schema["properties"]
+    upload = spec["components"]["schemas"]["TranscriptionRequest"]
+    assert upload["properties"]["file"] == {**upload["properties"]["file"], "type": "string",
+                                            "format": "binary"}
+    assert set(upload["required"]) == {"file", "model"}
     refs = {r.split('"', 1)[0] for r in json.dumps(spec).split('"#/components/schemas/')[1:]}
     assert refs <= set(spec["components"]["schemas"])
 
@@ -441,30 +542,37 @@ def test_fuzz_speech(omni, fuzz):
 
 
 @pytest.mark.parametrize("fuzz", [_fuzz_valid, _fuzz_invalid], ids=["valid", "invalid"])
+def test_fuzz_transcriptions(omni, fuzz):
+    fuzz(_FormTarget(omni, TRANSCRIPTIONS, _transcription_fixes(omni)))
+
+
+@pytest.mark.parametrize("fuzz", [_fuzz_valid, _fuzz_invalid], ids=["valid", "invalid"])
 def test_fuzz_images(images, fuzz):
     fuzz(_images(images))
 
 
 def _fuzz_cross(srv: _ThreadServer, path: str, served: str) -> None:
-    cases = _operation(srv, path).as_strategy(generation_mode=GenerationMode.POSITIVE)
+    target = (_FormTarget if path == TRANSCRIPTIONS else _Target)(srv, path, {})
     label = f"cross {path}"
 
     @settings(FUZZ, max_examples=MIN_CASES // 4)
-    @given(case=cases)
+    @given(case=target.cases(GenerationMode.POSITIVE))
     def one(case):
         body = {**case.body, "model": served} if "model" in case.body else case.body
-        assert srv.send("POST", path, label, _encode(body)).status_code == 400
+        assert target.post(label, body).status_code == 400
 
     one()
     assert srv.sent[label] >= MIN_CASES // 4
 
 
 def test_other_posts_on_each_server(omni, images):
-    """Image bodies to the omni model, chat and speech bodies to the image model: 400s."""
+    """Image bodies to the omni model, chat, speech, completion and transcription bodies to
+    the image model: 400s."""
     _fuzz_cross(omni, IMAGES, MODEL_NAME)
     _fuzz_cross(images, CHAT, IMAGE_NAME)
     _fuzz_cross(images, SPEECH, IMAGE_NAME)
     _fuzz_cross(images, COMPLETIONS, IMAGE_NAME)
+    _fuzz_cross(images, TRANSCRIPTIONS, IMAGE_NAME)
 
 
 # ------------------------------------------------------------------ GET routes, any method
@@ -517,7 +625,7 @@ def test_fuzz_any_method_any_path(omni):
     """Wrong methods, unknown paths, bodies where none belong: 404 / 405 in OpenAI's shape."""
     paths = st.one_of(st.sampled_from(["/health", "/v1/models", "/metrics", CHAT, SPEECH,
                                        IMAGES, "/v1/models/x", "/", "/v1", "/docs",
-                                       "/openapi.json", "/v1/completions"]),
+                                       "/openapi.json", "/v1/completions", TRANSCRIPTIONS]),
                       st.text(st.characters(min_codepoint=33, max_codepoint=126),
                               max_size=30).map(lambda s: "/" + s.lstrip("/")))
     methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])

@@ -168,3 +168,30 @@ def test_speech_with_audio_still_succeeds(server):
     assert r.status_code == 200, r.text
     samples, rate = read_wav(r.content)
     assert rate == 24000 and len(samples) > 0
+
+
+@pytest.mark.parametrize("talker_params", [None, {"min_tokens": 0, "max_tokens": 1}])
+def test_chat_with_audio_asks_the_talker_for_a_code(server, llm, monkeypatch, talker_params):
+    """Chat with audio output, like speech: the talker draws at least one code whatever the
+    request says (a first draw of its stop code would give a 200 with no audio)."""
+    seen = []
+    prepare = llm.prepare
+
+    async def recording(prompt, sampling_params=None, *args, **kwargs):
+        seen.append(sampling_params)
+        return await prepare(prompt, sampling_params, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "prepare", recording)
+    body = {**CHAT, "modalities": ["text", "audio"], "audio": {"voice": "Chelsie",
+                                                                "format": "wav"}}
+    if talker_params:
+        body["stage_sampling_params"] = {"talker": talker_params}
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    talker = seen[-1]["talker"]
+    assert talker.min_tokens >= 1
+    if talker_params:
+        assert talker.max_tokens == 1
+    assert r.json()["choices"][0]["message"]["audio"]["data"]  # some audio came back
+    text_only = _post(server, CHAT)  # text only: the talker's params are left alone
+    assert text_only.status_code == 200 and "talker" not in (seen[-1] or {})

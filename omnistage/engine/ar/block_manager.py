@@ -2,7 +2,15 @@
 
 NOTE: a block whose ref count drops to 0 keeps its KV and hash and goes to the back of the free
 list; allocation takes from the front, evicting the least recently freed cached block. A cache
-hit on a free block pulls it out of the list in O(1) (OrderedDict)."""
+hit on a free block pulls it out of the list in O(1) (OrderedDict).
+
+NOTE (hidden-row export): a sequence that exports its hidden rows (the thinker feeding the
+talker) needs the rows of its cached positions too. The rows an exporting sequence computed for
+a full block are kept beside the block, by its hash, for as long as the hash is cached (at most
+one [block_size, D] tensor per cached block, on the rows' device); a hit serves the KV and the
+rows, and an exporting sequence's hits stop at the first block without rows. `export_rows`
+(called on every exported step) keeps new full blocks' rows and puts a fresh hit's rows in front
+of the first step's rows, so the consumer still gets every position from 0."""
 
 from __future__ import annotations
 
@@ -10,6 +18,8 @@ import hashlib
 from collections import OrderedDict
 
 import numpy as np
+
+import torch
 
 from omnistage.engine.ar.sequence import Sequence
 
@@ -32,6 +42,8 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hit_tokens = 0  # prefix-cache hits, in tokens (metric)
+        # exported hidden rows [block_size, D] of cached blocks, by block hash (module note)
+        self.rows_of: dict[bytes, torch.Tensor] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -48,7 +60,7 @@ class BlockManager:
         parent = hashes[-1] if hashes else b""
         for b in range(len(hashes), upto_blocks):
             start, end = b * bs, (b + 1) * bs
-            ids = [seq.token_id(i) for i in range(start, end)]
+            ids = [seq.hash_token_id(i) for i in range(start, end)]
             extra = [(m.start - start, m.content_hash) for m in seq.media
                      if m.start < end and m.end > start]
             parent = block_hash(parent, ids, extra)
@@ -58,14 +70,14 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest full-block prefix, leaving >= 1 token to compute.
-        A sequence that exports its hidden rows computes every position (no hits)."""
-        if not (self.enable_prefix_caching and seq.cacheable) or seq.export_hidden:
+        A sequence that exports its hidden rows only hits blocks whose rows are kept."""
+        if not (self.enable_prefix_caching and seq.cacheable):
             return []
         upto = (seq.num_tokens - 1) // self.block_size
         hits = []
         for h in self._full_block_hashes(seq, upto):
             block = self.hash_to_block.get(h)
-            if block is None:
+            if block is None or (seq.export_hidden and h not in self.rows_of):
                 break
             hits.append(block)
         return hits
@@ -86,6 +98,9 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         self.hit_tokens += seq.num_computed_tokens
+        if seq.export_hidden and cached:
+            hashes = seq.block_hashes[:len(cached)]
+            seq.cached_rows = torch.cat([self.rows_of[h] for h in hashes])
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to hold `num_tokens` tokens (caller checked can_allocate)."""
@@ -95,6 +110,7 @@ class BlockManager:
             if old is not None:  # evict its cached content
                 if self.hash_to_block.get(old) == b:
                     del self.hash_to_block[old]
+                    self.rows_of.pop(old, None)
                 self.hash_of[b] = None
             self.ref_count[b] = 1
             seq.block_table.append(b)
@@ -111,6 +127,36 @@ class BlockManager:
                 self.hash_of[block] = hashes[b]
                 self.hash_to_block.setdefault(hashes[b], block)
 
+    def export_rows(self, seq: Sequence, hidden: tuple[int, torch.Tensor]
+                    ) -> tuple[int, torch.Tensor]:
+        """An exporting sequence's rows of one step (first position, rows [n, D]), after
+        commit(seq) -> what to hand on: after a fresh prefix hit, the hit's rows in front. Rows
+        of blocks that this step completed are kept for later hits (module note)."""
+        start, rows = hidden
+        cached, seq.cached_rows = seq.cached_rows, None
+        if cached is not None and start == cached.shape[0]:
+            start, rows = 0, torch.cat([cached.to(rows.dtype), rows])
+        if self.enable_prefix_caching and seq.cacheable:
+            self._keep_rows(seq, start, rows)
+        return start, rows
+
+    def _keep_rows(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        bs = self.block_size
+        tail = seq.row_tail
+        if tail is not None and tail[0] + tail[1].shape[0] == start:
+            start, rows = tail[0], torch.cat([tail[1], rows])
+        end = start + rows.shape[0]
+        first, last = -(-start // bs), min(end, seq.num_computed_tokens) // bs
+        if last > first:
+            hashes = self._full_block_hashes(seq, last)
+            for b in range(first, last):
+                h = hashes[b]
+                if h in self.hash_to_block and h not in self.rows_of:
+                    # (a copy: a view would keep the whole step's output alive)
+                    self.rows_of[h] = rows[b * bs - start:(b + 1) * bs - start].clone()
+        lo = max(last * bs, start)
+        seq.row_tail = (lo, rows[lo - start:].clone()) if lo < end else None
+
     def release(self, seq: Sequence) -> None:
         """Drop the seq's references; blocks at ref 0 become free (cached ones stay reusable).
         Freed in reverse so a sequence's tail is evicted before its shared head."""
@@ -120,3 +166,4 @@ class BlockManager:
                 self.free[b] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.row_tail = seq.cached_rows = None

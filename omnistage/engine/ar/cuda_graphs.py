@@ -224,7 +224,12 @@ class DecodeGraphs:
             self.residual_embeds: torch.Tensor | None = None  # [M, D], at first capture
             self.residual_ran = [False, False]  # per host buffer: its run's head drew them
         self.graphs: dict[tuple[int, bool, bool], _Graph] = {}  # forward graphs
+        # tensor parallel rank 0 (engine/ar/tp.py): before_forward(self, count, B, embeds_rows,
+        # add_rows) sends the step to the other ranks before any capture or replay
+        self.before_forward: Callable | None = None
         self.heads: dict[tuple, _Graph | None] = {}  # None: capture failed
+        # (n, B, host buffer, sampling) of a run whose head waits (run_deferred_head)
+        self.deferred: tuple | None = None
         self.pool = None
         # captures and their warm-up runs: streams of this runner's own (see private_stream)
         self.capture_stream = private_stream(device) if self.capture else None
@@ -420,6 +425,8 @@ class DecodeGraphs:
         if ahead:
             o = self._off["ids"]
             self.dev[o:o + n].copy_(self.tokens[:n])
+        if self.before_forward is not None:
+            self.before_forward(self, count, B, embeds_rows, add_rows)
         key = (B, has_e, has_a)
         fwd = self.graphs.get(key)
         if fwd is None:
@@ -431,6 +438,32 @@ class DecodeGraphs:
                 lambda warm: self._forward(B, has_e, has_a, warm))
         self._stage_rows(embeds_rows, add_rows, B, has_e, has_a)
         fwd.replay()
+        self.deferred = None
+        if sampling is not None and sampling.flags.grammar and ahead:
+            # NOTE (structured output, async scheduling): a step launched ahead queues only its
+            # forward; its head waits for run_deferred_head(), called once the previous step's
+            # tokens were read and accepted by the matchers, which then fill this step's masks
+            # while the GPU runs the forward
+            self.deferred = (n, B, k, sampling)
+            return self.hidden[:n], None, run
+        out = self._run_head(n, B, k, sampling, logits)
+        return self.hidden[:n], out, run
+
+    def run_deferred_head(self) -> None:
+        """The head of the last run() whose head was deferred (no-op when there is none)."""
+        if self.deferred is not None:
+            n, B, k, sampling = self.deferred
+            self.deferred = None
+            with torch.inference_mode():  # (as the runner's launches: the model's weights)
+                self._run_head(n, B, k, sampling, False)
+
+    def _run_head(self, n: int, B: int, k: int, sampling: StepSampling | None,
+                  logits: bool) -> torch.Tensor | None:
+        # the head graph of a run whose forward was replayed: ids (and logprobs) to the pinned
+        # host buffers of index k, or the logits [n, V] (`logits`, no sampling)
+        if sampling is not None and sampling.flags.grammar:
+            # structured output: the matchers fill their masks while the GPU runs the forward
+            self.sampler.flush_grammar()
         out = None
         if sampling is not None or logits:
             flags = sampling.flags if sampling is not None else None
@@ -454,7 +487,7 @@ class DecodeGraphs:
                 self.sampled[k].record()
             else:
                 out = head.out[:n]
-        return self.hidden[:n], out, run
+        return out
 
     def warmup(self, additive_width: int | None, flag_sets) -> None:
         """Capture every batch size's forward graph (with additive rows of this width, or none)

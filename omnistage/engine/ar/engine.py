@@ -6,7 +6,9 @@ ids taken from prev's sampled ids on the device, so the host's collect/schedule 
 behind the GPU. Only when nothing the host knows can change the batch: no request waiting,
 none reaching max_tokens / forced ids / max_model_len, every next input row ready. A request
 that stops on an EOS or stop string in prev wastes its row of the step ahead (dropped at
-collect). EngineConfig.async_scheduling=False turns it off."""
+collect). EngineConfig.async_scheduling=False turns it off. Structured output: the step ahead
+queues only its forward; launch() queues its sampler once prev's tokens were accepted by the
+grammar matchers (their masks for the step need them), which fill while the forward runs."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from omnistage.engine.ar.detokenizer import DetokState, detokenize_step, find_st
 from omnistage.engine.ar.model_runner import LaunchedBatch, ModelRunner
 from omnistage.engine.ar.scheduler import EngineConfig, Scheduler
 from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.ar.structured_output import GrammarCache
 
 
 @dataclass
@@ -55,6 +58,7 @@ class AREngine:
         self._arrivals = 0
         self.async_scheduling = config.async_scheduling
         self._ahead: LaunchedBatch | None = None  # launched ahead; launch() returns it next
+        self._grammars: GrammarCache | None = None  # structured output, at first use
 
     # ---------------------------------------------------------------- requests
     def add_request(self, seq: Sequence) -> None:
@@ -68,6 +72,9 @@ class AREngine:
         if not seq.params.ignore_eos:
             seq.stop_token_ids = seq.stop_token_ids | self.eos_token_ids
         seq.stop_token_ids = seq.stop_token_ids | frozenset(seq.params.stop_token_ids)
+        if seq.params.structured_output is not None:
+            seq.grammar = self._grammar_cache().matcher(seq.params.structured_output,
+                                                        list(seq.stop_token_ids))
         seq.arrival = self._arrivals
         self._arrivals += 1
         self.seqs[seq.request_id] = seq
@@ -88,6 +95,15 @@ class AREngine:
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or self._ahead is not None
 
+    def _grammar_cache(self) -> GrammarCache:
+        if self._grammars is None:
+            vocab = getattr(self.runner.model, "vocab_size", None)
+            if self.tokenizer is None or not isinstance(vocab, int):
+                raise ValueError("structured_output: this stage has no tokenizer to build a "
+                                 "grammar with")
+            self._grammars = GrammarCache(self.tokenizer, vocab)
+        return self._grammars
+
     @staticmethod
     def new_seed() -> int:
         return random.SystemRandom().getrandbits(63)
@@ -105,6 +121,10 @@ class AREngine:
         scheduled one (None: nothing to run). collect() must follow before the next launch()."""
         if self._ahead is not None:
             launched, self._ahead = self._ahead, None
+            # structured output: its head (the sampler) waited for the last step's tokens,
+            # accepted by the matchers in collect(); the forward is already queued
+            if self.runner.graphs is not None:
+                self.runner.graphs.run_deferred_head()
             return launched
         batch = self.scheduler.schedule()
         if batch is None:
@@ -143,6 +163,8 @@ class AREngine:
             if token is not None and seq.forced_output_ids is not None:
                 token = seq.forced_output_ids[len(seq.output_token_ids)]
             hidden = result.hidden.get(seq.request_id)
+            if hidden is not None:  # (rows of prefix-cache hits go first; full blocks' are kept)
+                hidden = self.blocks.export_rows(seq, hidden)
             if token is None and hidden is None:
                 continue
             update = SequenceUpdate(seq.request_id, [], "", False, hidden=hidden)
@@ -158,10 +180,17 @@ class AREngine:
         return updates
 
     def _append_token(self, seq: Sequence, token: int, update: SequenceUpdate) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # (the bitmask allowed only what the matcher accepts: an engine bug, not the user's)
+            self._finish(seq, "error", update, f"structured_output: the sampled token {token} "
+                         "does not follow the grammar")
+            return
         seq.output_token_ids.append(token)
         update.new_token_ids.append(token)
         p, n_out = seq.params, len(seq.output_token_ids)
         if token in seq.stop_token_ids and n_out >= p.min_tokens:
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.terminated:  # a grammar without stop ids
             reason = "stop"
         else:
             reason = self._known_end(seq, n_out, seq.num_tokens)

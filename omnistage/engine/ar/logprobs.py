@@ -42,7 +42,10 @@ def row_logprobs(state: SamplerState, logits: torch.Tensor, slots: torch.Tensor,
         raise ValueError(f"logprobs: a vocabulary of {logits.shape[-1]} ids is not exact in the "
                          "fp32 buffer that carries them (at most 2^24)")
     t = state.tensors(slots[rows], steps[rows], flags)
-    lp = processed_logits(logits[rows].float(), t).log_softmax(dim=-1)
+    masked = state.apply_grammar(logits[rows].float(), slots[rows], flags)
+    # (+inf, e.g. a tiny repetition penalty dividing a positive logit, would make NaNs)
+    lp = processed_logits(masked, t).clamp(max=torch.finfo(torch.float32).max)
+    lp = lp.log_softmax(dim=-1)
     k = min(k, lp.shape[-1])
     if k:
         top, top_ids = lp.topk(k, dim=-1)

@@ -20,6 +20,8 @@ from omnistage.engine.ar.sampler import SamplerState, SamplingFlags, StepSamplin
 from omnistage.engine.ar.scheduler import EngineConfig, ScheduledBatch
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.ar.interface import ForwardBatch
+from omnistage.engine.ar.tp import StepChannel, TPGraphModel
+from omnistage.layers.parallel import SINGLE
 from omnistage.sampling_params import SamplingParams
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV cache size on CPU when num_kv_blocks is unset
@@ -61,6 +63,12 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.sampler: SamplerState | None = None
+        # tensor parallel (engine/ar/tp.py): the model is this rank's shard; rank 0 sends each
+        # step to the other ranks before its forward
+        self.tp = getattr(model, "tp", SINGLE)
+        self.channel = StepChannel(self.tp, device) if self.tp.enabled else None
+        self.tp_workers = None  # rank 0: tp.TPWorkers (set by the stage's builder)
+        _check_tensor_parallel(model, config, self.tp)
         vocab = getattr(model, "vocab_size", None)
         if isinstance(vocab, int):  # before the KV cache takes the free memory
             self._sampler_state(vocab)
@@ -84,12 +92,20 @@ class ModelRunner:
             triton_gemv=None if config.triton_gemv else False,
             gemv_fused_reduce=config.gemv_fused_reduce, pdl=config.pdl))
         self.graphs = DecodeGraphs(
-            model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            TPGraphModel(model, config.max_num_seqs) if self.tp.enabled else model,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, dummy_block=self.num_blocks,
             uses_mrope=self.uses_mrope, device=device, dtype=dtype, sampler=self.sampler,
             eager=config.cuda_graphs == "eager") if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self.graphs) \
-            if use_graphs and config.prefill_graphs else None
+            if use_graphs and config.prefill_graphs and not self.tp.enabled else None
+        if self.graphs is not None and self.tp.enabled and self.tp.rank == 0:
+            self.graphs.before_forward = self.channel.send_graph
+
+    def close(self) -> None:
+        """Tensor parallel rank 0: the other ranks stop (back to their pool). Idempotent."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
                       ) -> None:
@@ -132,6 +148,8 @@ class ModelRunner:
         else:
             budget = CPU_KV_BUDGET_BYTES
         n = min(want, budget // per_block)
+        if self.tp.enabled:  # every rank's cache holds the blocks rank 0 schedules
+            n = int(self.tp.all_reduce(torch.tensor([n], device=self.device), "min").item())
         if n < -(-c.max_model_len // c.block_size):
             raise ValueError(f"num_kv_blocks: memory for {n} blocks cannot hold one sequence of "
                              f"max_model_len={c.max_model_len}; lower max_model_len")
@@ -258,6 +276,8 @@ class ModelRunner:
 
     def _execute_eager(self, batch: ScheduledBatch) -> StepResult:
         fb, sample_rows = self.prepare(batch)
+        if self.channel is not None:
+            self.channel.send_eager(fb, sample_rows)
         return self._after_forward(batch, self.model(fb), sample_rows, copy=False)
 
     def _execute_prefill_graph(self, batch: ScheduledBatch) -> StepResult:
@@ -375,6 +395,20 @@ class ModelRunner:
                 out[seq.request_id] = (seq.num_computed_tokens + batch.ahead, hidden[off:off + n])
             off += n
         return out
+
+
+def _check_tensor_parallel(model, config: EngineConfig, tp) -> None:
+    if config.tensor_parallel_size != tp.size:
+        raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but the model "
+                         f"was built for {tp.size} rank(s) (build it through the stage's "
+                         "builder, runtime/build.py)")
+    supported = getattr(model, "supports_tensor_parallel", None)
+    if tp.enabled and (supported is None or not supported()):
+        raise ValueError(f"tensor_parallel_size: {tp.size}, but {type(model).__name__} runs on "
+                         "one rank (docs/distributed.md lists the models that shard)")
+    if tp.enabled and getattr(model, "num_code_groups", 1) > 1:
+        raise ValueError("tensor_parallel_size: multi-codebook models (Qwen3-Omni's talker) "
+                         "run on one rank")
 
 
 def _exports(seq: Sequence, ahead: int) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from omnistage.engine.ar.sequence import Sequence, SequenceStatus
+from omnistage.engine.ar.structured_output import BitmaskFiller, apply_token_bitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -144,6 +145,7 @@ class SamplingFlags(NamedTuple):
     any_min_p: bool
     penalties: bool
     banned: bool
+    grammar: bool = False  # some row follows a structured-output grammar (its slot's bitmask)
 
 
 @dataclass
@@ -191,6 +193,15 @@ class SamplerState:
         self.ban_always = [False] * S  # in-range suppressed ids
         self.ban_early = [False] * S  # in-range stop ids and min_tokens > 0
         self.min_tokens = [0] * S
+        # structured output: per slot, the ids its grammar allows next (32 per int32 word; -1 =
+        # all allowed), written on the host by the matchers and copied up before each step
+        words = -(-V // 32)
+        self.bitmask = torch.full((S + 1, words), -1, dtype=torch.int32, device=device)
+        self.bitmask_host = torch.full((S + 1, words), -1, dtype=torch.int32,
+                                       pin_memory=device.type == "cuda")
+        self.grammar_dirty = [False] * S  # the slot's rows may hold a grammar's mask
+        self.filler = BitmaskFiller()
+        self._pending_grammar: tuple[list, list[int]] | None = None  # (matchers, slots)
 
     # ---------------------------------------------------------------- host side
     def prepare(self, seqs: list[Sequence], rows: list[int], ahead: int = 0) -> StepSampling:
@@ -201,9 +212,13 @@ class SamplerState:
         step = StepSampling([self.scratch] * n, [0] * n, [-1] * n, list(rows),
                             SamplingFlags(True, False, False, False, False, False))
         greedy, top_k, top_p, min_p, pen, ban = True, False, False, False, False, False
+        grammar_slots, grammar_matchers = [], []
         for r in rows:
             seq = seqs[r]
             slot = self._slot(seq, seqs) if not ahead else self._slot_ahead(seq)
+            if seq.grammar is not None:  # (launched ahead: its head waits, see DecodeGraphs)
+                grammar_slots.append(slot)
+                grammar_matchers.append(seq.grammar)
             k = len(seq.output_token_ids) + ahead
             self.synced[slot] = -1  # stale until commit() (the device adds the drawn id)
             step.slots[r], step.steps[r] = slot, k
@@ -222,8 +237,43 @@ class SamplerState:
             ban |= self.ban_always[slot] or (self.ban_early[slot] and k < self.min_tokens[slot])
         if greedy:  # sample() returns before the warpers
             top_k = top_p = min_p = False
-        step.flags = SamplingFlags(greedy, top_k, top_p, min_p, pen, ban)
+        # the masks are filled when the sampler first needs them (flush_grammar): on the graph
+        # path after the step's forward is queued, so the host fills while the GPU runs it
+        self._pending_grammar = (grammar_matchers, grammar_slots) if grammar_slots else None
+        step.flags = SamplingFlags(greedy, top_k, top_p, min_p, pen, ban, bool(grammar_slots))
         return step
+
+    def flush_grammar(self) -> None:
+        """Fill the bitmask rows of the last prepare()'s grammar rows and queue their copy to
+        the device (no-op when none is pending). Runs before the step's sampler reads them."""
+        if self._pending_grammar is None:
+            return
+        matchers, slots = self._pending_grammar
+        self._pending_grammar = None
+        # (a row that ended while its step waited keeps its old mask: its id is dropped)
+        live = [i for i, m in enumerate(matchers) if not m.terminated]
+        if not live:
+            return
+        matchers, slots = [matchers[i] for i in live], [slots[i] for i in live]
+        self.filler.fill(matchers, self.bitmask_host, slots)
+        # one copy of the host rows lo..hi (slots are handed out lowest first, so the grammar
+        # rows of a batch sit close together); rows in the range without a grammar are all
+        # ones on both sides. NOTE: the host rows are rewritten only by the next flush, after
+        # this step's ids were read back (a step launched ahead flushes after that read)
+        lo, hi = min(slots), max(slots) + 1
+        self.bitmask[lo:hi].copy_(self.bitmask_host[lo:hi], non_blocking=True)
+        for slot in slots:
+            self.grammar_dirty[slot] = True
+
+    def apply_grammar(self, logits: torch.Tensor, slots: torch.Tensor,
+                      flags: SamplingFlags) -> torch.Tensor:
+        """logits [N, V] with the ids the rows' grammars forbid at -inf (rows without one:
+        unchanged); unchanged when no row has a grammar. Capturable (a graph path flushes the
+        pending masks before it captures or replays a head)."""
+        if not flags.grammar:
+            return logits
+        self.flush_grammar()
+        return apply_token_bitmask(logits, self.bitmask[slots])
 
     def commit(self, step: StepSampling, tokens: list[int]) -> None:
         """tokens: the ids drawn for step.rows (what the engine appends)."""
@@ -318,6 +368,10 @@ class SamplerState:
         ids = seq.output_token_ids
         self.synced[slot], self.last[slot] = len(ids), (ids[-1] if ids else -1)
         self.made_from[slot] = (p, seq.stop_token_ids)
+        if self.grammar_dirty[slot]:  # a former owner's grammar: all allowed again
+            self.bitmask_host[slot].fill_(-1)
+            self.bitmask[slot].fill_(-1)
+            self.grammar_dirty[slot] = False
         self.ban_always[slot] = len(supp) > 0
         self.ban_early[slot] = len(stop) > 0 and p.min_tokens > 0
         self.min_tokens[slot] = p.min_tokens
@@ -374,6 +428,7 @@ class SamplerState:
                                f"{self.vocab_size}")
         if fast is None:
             fast = logits.is_cuda and self.fast
+        logits = self.apply_grammar(logits, slots, flags)
         if fast and logits.shape[0] > 0:
             from omnistage.engine.ar import sampler_triton  # triton: imported on first use
             return sampler_triton.sample_rows(self, logits, slots, steps, force, flags, update)

@@ -38,6 +38,10 @@ class EngineConfig:
     triton_gemv: bool = True  # 1-row decode steps' dense parts as Triton GEMVs (tuned shapes)
     gemv_fused_reduce: bool = True  # split-K GEMVs sum their partials in the same launch
     ar_stream: str | None = None  # AR stages of one name share a CUDA stream; None: own one
+    # tensor parallelism (engine/ar/tp.py): ranks of this stage's model and their devices in
+    # rank order (runtime/build.py records the stage's placement here; None: one rank)
+    tensor_parallel_size: int = 1
+    devices: tuple[str, ...] | None = None
 
     def validate(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -60,6 +64,12 @@ class EngineConfig:
         for name in BOOL_SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
+            raise ValueError(f"tensor_parallel_size: an integer in [1, 64], got {tp!r}")
+        if self.devices is not None and len(self.devices) != tp:
+            raise ValueError(f"tensor_parallel_size: {tp}, but devices lists "
+                             f"{len(self.devices)}: one device per rank")
         if self.ar_stream is not None and (not isinstance(self.ar_stream, str)
                                            or not self.ar_stream):
             raise ValueError(f"ar_stream: a non-empty name or None, got {self.ar_stream!r}")
@@ -209,13 +219,16 @@ def engine_config(model_max_len: int, *, max_model_len: int | None = None,
                   fast_sampler: bool | None = None, pdl: bool | None = None,
                   fused_rope_kv: bool | None = None, triton_gemv: bool | None = None,
                   gemv_fused_reduce: bool | None = None,
-                  ar_stream: str | None = None) -> EngineConfig:
+                  ar_stream: str | None = None, tensor_parallel_size: int | None = None,
+                  devices: list[str] | tuple[str, ...] | None = None) -> EngineConfig:
     """The engine's config; an option left None takes EngineConfig's default."""
     switches = dict(cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs,
                     graph_warmup=graph_warmup, compile=compile,
                     async_scheduling=async_scheduling, fast_sampler=fast_sampler, pdl=pdl,
                     fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv,
-                    gemv_fused_reduce=gemv_fused_reduce, ar_stream=ar_stream)
+                    gemv_fused_reduce=gemv_fused_reduce, ar_stream=ar_stream,
+                    tensor_parallel_size=tensor_parallel_size,
+                    devices=None if devices is None else tuple(devices))
 
     def pick(value, default):
         return default if value is None else value

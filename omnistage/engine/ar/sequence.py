@@ -58,7 +58,11 @@ class Sequence:
     export_hidden: bool = False
     export_prompt_only: bool = False  # with export_hidden: only prompt positions' rows
     cacheable: bool = True  # False when the KV depends on inputs the hash cannot see
+    # ids the prefix-cache hash takes for the first positions instead of the ids fed there: a
+    # stage whose prompt KV is set by another stage's prompt (the talker's, by the thinker's)
+    hash_token_ids: list[int] | None = None
     penalize_prompt: bool = True  # repetition penalty over prompt ids too (transformers' rule)
+    grammar: Any = None  # structured output: its structured_output.GrammarMatcher (engine-set)
     arrival: int = 0  # FCFS order
 
     # state
@@ -75,6 +79,10 @@ class Sequence:
     # multi-codebook models: per output token, the summed embeddings of its other codebooks
     # (added to its input row when it is fed back)
     residual_embeds: list[torch.Tensor] = field(default_factory=list)
+    # hidden-row export with the prefix cache (BlockManager.export_rows): the rows of a fresh
+    # hit, handed on with the first computed step; exported rows of a block not yet full
+    cached_rows: torch.Tensor | None = None
+    row_tail: tuple[int, torch.Tensor] | None = None  # (first position, rows)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,6 +95,11 @@ class Sequence:
     def token_id(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def hash_token_id(self, i: int) -> int:
+        """The id position i contributes to its block's prefix-cache hash."""
+        h = self.hash_token_ids
+        return h[i] if h is not None and i < len(h) else self.token_id(i)
 
     @property
     def is_finished(self) -> bool:

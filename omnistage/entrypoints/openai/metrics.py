@@ -133,7 +133,7 @@ class ServerMetrics:
 # "error" (an error event in the stream) or "499" (the client went away)
 OUTCOME_KEY = "omnistage.outcome"
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-              "/v1/audio/speech": "speech",
+              "/v1/audio/speech": "speech", "/v1/audio/transcriptions": "transcriptions",
               "/v1/images/generations": "images"}
 _UNCOUNTED = {"/health", "/metrics"}  # probes and scrapes
 

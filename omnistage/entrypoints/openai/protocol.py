@@ -12,6 +12,10 @@ from omnistage.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGP
                                        MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS)
 
 MAX_MESSAGES = 256
+MAX_CHOICES = 8  # chat `n`
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 32  # per assistant message
+MAX_NAME_CHARS = 64  # OpenAI's function-name limit
 MAX_TEXT_CHARS = 1 << 20
 MAX_SPEECH_CHARS = 4096
 
@@ -65,10 +69,61 @@ ContentPart = Annotated[TextPart | InputAudioPart | ImageURLPart | VideoURLPart,
                         Field(discriminator="type")]
 
 
+class ToolCallFunction(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    arguments: str = Field(max_length=MAX_TEXT_CHARS)  # a JSON object, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call in an assistant message (what an earlier response returned)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+
+# ------------------------------------------------------------------------- structured output
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    description: str | None = None
+    # the schema is checked (size, what xgrammar supports) when the request is built: a 400
+    # naming response_format.json_schema.schema
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked as response_format's)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # ------------------------------------------------------------------------- chat request
@@ -103,7 +158,7 @@ class _SamplingFields(_Strict):
     seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -138,6 +193,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def chat_sampling_fields(self) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:

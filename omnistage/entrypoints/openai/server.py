@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: a FastAPI app on one AsyncOmniLLM, run by uvicorn.
 
-Routes: POST /v1/chat/completions, POST /v1/audio/speech, POST /v1/images/generations (image
-pipelines; they answer 400 on the other two), GET /v1/models[/{id}], GET /health, GET /metrics.
+Routes: POST /v1/chat/completions, /v1/completions, /v1/audio/speech, /v1/audio/transcriptions
+(multipart), /v1/images/generations (image pipelines; they answer 400 on the others),
+GET /v1/models[/{id}], GET /health, GET /metrics.
 Every error is OpenAI's JSON ({"error": {message, type, param, code}}). An ASGI guard in front
 checks the API key (/v1 routes) and the body size before any route runs. The POST routes parse
 their body themselves (a 400 naming the field, never FastAPI's 422); their pydantic models are
@@ -34,11 +35,14 @@ from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionReque
                                                    CompletionRequest,
                                                    SpeechRequest, error_body, parse_body)
 from omnistage.entrypoints.openai.protocol_images import ImageGenerationRequest
+from omnistage.entrypoints.openai.realtime.routes import register_realtime
 from omnistage.entrypoints.openai.serving import END_GRACE_SECONDS, ServerConfig, ServerState
 from omnistage.entrypoints.openai.serving_completions import OpenAIServingCompletions
 from omnistage.entrypoints.openai.serving_chat import OpenAIServingChat
 from omnistage.entrypoints.openai.serving_images import OpenAIServingImages
 from omnistage.entrypoints.openai.serving_speech import OpenAIServingSpeech
+from omnistage.entrypoints.openai.serving_transcriptions import (OpenAIServingTranscriptions,
+                                                                 TranscriptionRequest)
 
 log = logging.getLogger("omnistage.server")
 
@@ -91,13 +95,13 @@ class _Guard:
 
 _SCHEMA_REF = "#/components/schemas/{model}"
 _BODY_MODELS = (ChatCompletionRequest, CompletionRequest, SpeechRequest,
-                ImageGenerationRequest)
+                ImageGenerationRequest, TranscriptionRequest)
 
 
-def _json_body(model: type[BaseModel]) -> dict:
-    """A route's `openapi_extra`: its JSON request body is `model` (in components/schemas)."""
+def _request_body(model: type[BaseModel], media_type: str = "application/json") -> dict:
+    """A route's `openapi_extra`: its request body is `model` (in components/schemas)."""
     ref = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    return {"requestBody": {"required": True, "content": {media_type: {"schema": ref}}}}
 
 
 def _add_body_schemas(app: FastAPI) -> None:
@@ -133,6 +137,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         processor.allow_local_paths = config.allow_local_media  # no file reads from requests
     chat, speech = OpenAIServingChat(state), OpenAIServingSpeech(state)
     images, text = OpenAIServingImages(state), OpenAIServingCompletions(state)
+    transcriptions = OpenAIServingTranscriptions(state)
     created = int(time.time())
 
     @asynccontextmanager
@@ -190,27 +195,34 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
             raise APIError(400, "model: this model generates images; use "
                            "/v1/images/generations", param="model")
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         not_an_image_model()
         return await chat.create(parse_body(ChatCompletionRequest, await request.body()),
                                  request)
 
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         not_an_image_model()
         return await text.create(parse_body(CompletionRequest, await request.body()), request)
 
-    @app.post("/v1/audio/speech", openapi_extra=_json_body(SpeechRequest))
+    @app.post("/v1/audio/speech", openapi_extra=_request_body(SpeechRequest))
     async def audio_speech(request: Request) -> Response:
         not_an_image_model()
         return await speech.create(parse_body(SpeechRequest, await request.body()), request)
 
-    @app.post("/v1/images/generations", openapi_extra=_json_body(ImageGenerationRequest))
+    @app.post("/v1/audio/transcriptions",
+              openapi_extra=_request_body(TranscriptionRequest, "multipart/form-data"))
+    async def audio_transcriptions(request: Request) -> Response:
+        not_an_image_model()
+        return await transcriptions.create(request)
+
+    @app.post("/v1/images/generations", openapi_extra=_request_body(ImageGenerationRequest))
     async def images_generations(request: Request) -> Response:
         return await images.create(parse_body(ImageGenerationRequest, await request.body()),
                                    request)
 
+    register_realtime(app, state)  # GET /v1/realtime (WebSocket) and the page at /
     _add_body_schemas(app)
     app.add_middleware(_Guard, config=config)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: sees the guard's too

@@ -171,6 +171,23 @@ class ServerState:
 
 
 # ------------------------------------------------------------------ sampling
+def with_audio_codes(state: ServerState, stages: dict[str, StageSamplingParams] | None
+                     ) -> dict[str, StageSamplingParams]:
+    """`stages` with the codec stage (the talker) drawing at least one code: a talker whose
+    first draw is its stop code would make no audio, and a 200 with no audio is no answer."""
+    out = dict(stages or {})
+    talker = state.codec_stage
+    if talker is None:
+        return out
+    given = out.get(talker)
+    floor = (given.min_tokens if given is not None and given.min_tokens is not None
+             else state.llm.pipeline.default_params[talker].min_tokens)
+    update = {"min_tokens": max(1, floor)}
+    out[talker] = (given.model_copy(update=update) if given is not None
+                   else StageSamplingParams(**update))
+    return out
+
+
 def build_sampling(state: ServerState, top: dict[str, Any],
                    stages: dict[str, StageSamplingParams] | None,
                    seed: int | None) -> dict[str, SamplingParams] | None:

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from omnistage.entrypoints.openai.metrics import mark_outcome
-from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest, StageSamplingParams
+from omnistage.entrypoints.openai.protocol import APIError, SpeechRequest
 from omnistage.entrypoints.openai.serving import (ClientGone, ManagedStreamingResponse,
-                                                  client_gone, close_stream,
+                                                  client_gone, close_stream, with_audio_codes,
                                                   release_unless_handed_over,
                                                   RequestStream, ServerShuttingDown,
                                                   ServerState, build_sampling,
@@ -56,11 +56,7 @@ class OpenAIServingSpeech:
             raise APIError(400, f"speed: only 1.0 is supported, got {body.speed}", param="speed")
         prompt = {"messages": [{"role": "user", "content": body.input}],
                   "forced_reply": body.input, "voice": voice}
-        # at least one code: a talker whose first draw is its stop code would make no audio
-        talker = st.codec_stage
-        at_least_one = {} if talker is None else {talker: StageSamplingParams(
-            min_tokens=max(1, st.llm.pipeline.default_params[talker].min_tokens))}
-        params = build_sampling(st, {}, at_least_one, body.seed)
+        params = build_sampling(st, {}, with_audio_codes(st, None), body.seed)
         rid = f"speech-{uuid.uuid4().hex}"
         st.acquire()
         stream = None

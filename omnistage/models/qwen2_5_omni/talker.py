@@ -20,12 +20,13 @@ above, the default) and "transformers5" (bit-compatible with transformers 5.23).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.ar.sequence import MediaSpan, Sequence
 from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
 from omnistage.models.layers import DecoderConfig, DecoderForCausalLM, DecoderModel
 from omnistage.models.registry import register_adapter, register_model
@@ -234,5 +235,11 @@ def talker_sequence(request_id: str, thinker_seq: Sequence, adapter: Qwen2_5Omni
     extra = torch.tensor([top + 1, top + 2]).expand(3, -1)
     positions = torch.cat([pos.cpu() if pos is not None else
                            torch.arange(P).expand(3, -1), extra], dim=1)
+    # Prefix cache: a prompt position's KV is set by the thinker's prompt up to it (its rows,
+    # the positions), so the hash takes the thinker's ids and media there; from P on it depends
+    # on the voice and the reply, so a span unique to this request keeps those blocks private.
+    media = [MediaSpan(m.start, m.end, m.content_hash) for m in thinker_seq.media]
+    media.append(MediaSpan(P, 1 << 62, os.urandom(16)))
     return Sequence(request_id, ids, params, seed, mrope_positions=positions,
-                    rope_delta=top + 3 - (P + 2), input_source=adapter, cacheable=False)
+                    rope_delta=top + 3 - (P + 2), input_source=adapter, media=media,
+                    hash_token_ids=list(thinker_seq.prompt_token_ids))

@@ -25,6 +25,8 @@ from omnistage.models.qwen2_5_omni.thinker import thinker_sequence as thinker_se
 from omnistage.models.qwen2_5_omni.thinker import OmniThinkerMedia
 from omnistage.models.qwen3_omni.audio_encoder import Qwen3OmniAudioEncoder
 from omnistage.models.qwen3_omni.vision_encoder import Qwen3OmniVisionEncoder
+from omnistage.layers.parallel import current_tp
+from omnistage.models.layers import embed_lookup, embed_row_lookup, parallel_lm_head
 from omnistage.models.registry import register_model
 
 
@@ -49,9 +51,12 @@ class Qwen3OmniThinkerForCausalLM(OmniThinkerMedia, DecoderContract, nn.Module):
         # transformers' Qwen3-Omni rotary interleaves the mrope sections whatever the flags say
         self.config = MoEDecoderConfig.from_hf(text, mrope_interleaved=True)
         self.thinker_config = thinker_config
+        self.tp = current_tp()  # built inside layers.parallel.tensor_parallel: this rank's shard
         self.model = MoEDecoderModel(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        if self.config.tie_word_embeddings:
+        self.lm_head = parallel_lm_head(self.config.hidden_size, self.config.vocab_size,
+                                        self.model.embed_tokens, self.tp,
+                                        self.config.tie_word_embeddings)
+        if self.config.tie_word_embeddings and not self.tp.enabled:
             self.lm_head.weight = self.model.embed_tokens.weight
         vision = thinker_config["vision_config"]
         self.num_deepstack = len(vision.get("deepstack_visual_indexes", ()))
@@ -75,9 +80,27 @@ class Qwen3OmniThinkerForCausalLM(OmniThinkerMedia, DecoderContract, nn.Module):
             if rows.shape[-1] > width:
                 deepstack = list(rows[:, width:].split(width, dim=-1))
                 batch = replace(batch, inputs_embeds=rows[:, :width])
-        x = merge_inputs(self.embed(batch.input_ids), batch)
+        # the module call: collective under tensor parallelism (embed() is a local lookup)
+        x = merge_inputs(self.input_embedding(batch.input_ids), batch)
         hidden, exported = self.model(x, batch, deepstack, self.export_layer)
         return hidden if exported is None else torch.cat([hidden, exported], dim=-1)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, this rank's KV heads, head_dim): under tensor parallelism a rank caches
+        only its heads."""
+        c = self.config
+        return c.num_hidden_layers, self.model.layers[0].self_attn.num_kv_heads, c.head_dim
+
+    @classmethod
+    def supports_tensor_parallel(cls) -> bool:
+        return True
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return embed_lookup(self.input_embedding, input_ids)
+
+    def embed_row(self, token_id: int) -> torch.Tensor:
+        return embed_row_lookup(self.input_embedding, token_id)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden[..., :self.config.hidden_size]).float()

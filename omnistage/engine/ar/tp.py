@@ -1,0 +1,451 @@
+"""Tensor parallelism of an AR stage: rank 0 schedules, ranks 1..N-1 run the same forward.
+
+NOTE (one step on every rank): rank 0's AREngine schedules and prepares each step as usual;
+before its forward, the ModelRunner broadcasts the step through the group (StepChannel) as a
+typed message: a fixed int64 header, then the step's tensors, no pickled objects. An eager step
+carries the ForwardBatch rank 0 prepared (ids, positions, slots, block tables, replacement and
+additive rows) and the rows whose logits it takes; a graphed decode step carries the decode
+graphs' static int inputs (DecodeGraphs' layout, copied device to device: a step launched
+ahead sends the ids rank 0 sampled on the device) and its staged rows. Every rank then runs the
+same collectives in the same order: the forward's all-reduces, and the logits all-gather.
+Captures (and their warm-up runs) happen at the same step on every rank: the graphs' keys are
+the same. Media encoders run on rank 0 only (their rows travel in the message).
+
+Sampling: only rank 0 samples. Every rank holds the same full logits (all-gathered), but the
+other ranks never draw: their next inputs come from rank 0's next message, so tokens cannot
+diverge. Under CUDA graphs the forward graph of a rank also gathers the logits of every row
+(TPGraphModel), so the head graphs (the sampler) hold no collective and rank 0 captures them
+alone; each rank's decode step is one forward graph with its all-reduces inside.
+
+Worker ranks are processes of their own (spawned, kept in a pool between stages: a restarted
+stage or the next test reuses them); their builder is a picklable function from the runtime
+(runtime/build.py), which builds the same stage under layers.parallel.tensor_parallel."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnistage.config import env
+from omnistage.engine.ar.attention import AttentionMetadata
+from omnistage.engine.ar.interface import ForwardBatch
+from omnistage.layers.parallel import TensorParallel, new_group, tensor_parallel
+
+log = logging.getLogger("omnistage.tp")
+
+KIND_EAGER, KIND_GRAPH, KIND_STOP = 1, 2, 3
+HEADER_LEN = 12
+_ROW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DEFAULT_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a rank died)
+
+
+# ------------------------------------------------------------------------- step messages
+@dataclass
+class EagerStep:
+    """An eager forward: rank 0's ForwardBatch (tensors on the stage device) and the rows
+    whose logits it computes (sample_rows [S] long, device)."""
+
+    batch: ForwardBatch
+    sample_rows: torch.Tensor
+
+
+@dataclass
+class GraphStep:
+    """A decode step replayed from the graphs of padded size `size`: DecodeGraphs' static
+    ints [count] int32 (device), and the staged rows: embeds [size, W] + embeds_mask [size]
+    bool, additive [size, W2] (model dtype, device), or None."""
+
+    ints: torch.Tensor
+    size: int
+    embeds: torch.Tensor | None
+    embeds_mask: torch.Tensor | None
+    additive: torch.Tensor | None
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    # what goes through the backend: 2-byte floats as int16 bits (gloo has no bfloat16), bool as
+    # uint8
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.contiguous().view(torch.int16)
+    return t.contiguous()
+
+
+class StepChannel:
+    """Rank 0 -> the other ranks, by broadcast in the group. send_* on rank 0 and receive() on
+    the others must pair up, in order."""
+
+    def __init__(self, tp: TensorParallel, device: torch.device) -> None:
+        self.tp, self.device = tp, device
+
+    def _header(self, *fields: int) -> None:
+        h = torch.zeros(HEADER_LEN, dtype=torch.long, device=self.device)
+        h[:len(fields)] = torch.tensor(fields, dtype=torch.long)
+        self.tp.broadcast(h)
+
+    def _send(self, *tensors: torch.Tensor | None) -> None:
+        for t in tensors:
+            if t is not None:
+                self.tp.broadcast(_wire(t))
+
+    def _recv(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        wire = torch.uint8 if dtype == torch.bool else \
+            torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
+        t = self.tp.broadcast(torch.empty(shape, dtype=wire, device=self.device))
+        return t.to(torch.bool) if dtype == torch.bool else t.view(dtype)
+
+    # ---------------------------------------------------------------- rank 0
+    def send_eager(self, fb: ForwardBatch, sample_rows: list[int]) -> None:
+        meta = fb.attn
+        e, a = fb.inputs_embeds, fb.additive_embeds
+        row_dtype = next((t.dtype for t in (e, a) if t is not None), torch.float32)
+        self._header(KIND_EAGER, fb.input_ids.shape[0], meta.seq_lens.shape[0],
+                     meta.block_tables.shape[1], len(sample_rows), int(fb.positions.dim() == 2),
+                     0 if e is None else e.shape[1], 0 if a is None else a.shape[1],
+                     meta.max_query_len, _ROW_DTYPES.index(row_dtype))
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        self._send(fb.input_ids, fb.positions, meta.slot_mapping, meta.query_start_loc,
+                   meta.seq_lens, meta.block_tables, rows, e, fb.embeds_mask, a)
+
+    def send_graph(self, graphs, count: int, size: int, embeds_rows: list, add_rows: list
+                   ) -> None:
+        """DecodeGraphs.before_forward on rank 0: the static ints it just filled, and the
+        step's rows packed as its _stage_rows stages them (None rows: zero, unmasked)."""
+        embeds = mask = additive = None
+        if any(r is not None for r in embeds_rows):
+            width = next(r[0].shape[-1] for r in embeds_rows if r is not None)
+            embeds = torch.zeros(size, width, dtype=graphs.dtype, device=self.device)
+            mask = torch.zeros(size, dtype=torch.bool, device=self.device)
+            for i, r in enumerate(embeds_rows):
+                if r is not None:
+                    embeds[i:i + 1].copy_(r[0])
+                    mask[i:i + 1].copy_(r[1])
+        if any(r is not None for r in add_rows):
+            width = next(r.shape[-1] for r in add_rows if r is not None)
+            additive = torch.zeros(size, width, dtype=graphs.dtype, device=self.device)
+            for i, r in enumerate(add_rows):
+                if r is not None:
+                    additive[i:i + 1].copy_(r)
+        self._header(KIND_GRAPH, count, size, 0 if embeds is None else embeds.shape[1],
+                     0 if additive is None else additive.shape[1],
+                     _ROW_DTYPES.index(graphs.dtype))
+        self._send(graphs.dev[:count], embeds, mask, additive)
+
+    def send_stop(self) -> None:
+        self._header(KIND_STOP)
+
+    # ---------------------------------------------------------------- ranks 1..N-1
+    def receive(self) -> EagerStep | GraphStep | None:
+        """The next step (None: stop)."""
+        h = self._recv((HEADER_LEN,), torch.long).tolist()
+        kind = h[0]
+        if kind == KIND_STOP:
+            return None
+        if kind == KIND_GRAPH:
+            count, size, w_e, w_a, dt = h[1:6]
+            dtype = _ROW_DTYPES[dt]
+            ints = self._recv((count,), torch.int32)
+            embeds = self._recv((size, w_e), dtype) if w_e else None
+            mask = self._recv((size,), torch.bool) if w_e else None
+            additive = self._recv((size, w_a), dtype) if w_a else None
+            return GraphStep(ints, size, embeds, mask, additive)
+        if kind != KIND_EAGER:
+            raise RuntimeError(f"tensor parallel: unknown step message kind {kind}")
+        T, n, max_blocks, S, mrope, w_e, w_a, max_q, dt = h[1:10]
+        dtype = _ROW_DTYPES[dt]
+        ids = self._recv((T,), torch.long)
+        positions = self._recv((3, T) if mrope else (T,), torch.long)
+        slots = self._recv((T,), torch.long)
+        qsl = self._recv((n + 1,), torch.int32)
+        seq_lens = self._recv((n,), torch.int32)
+        tables = self._recv((n, max_blocks), torch.int32)
+        rows = self._recv((S,), torch.long)
+        embeds = self._recv((T, w_e), dtype) if w_e else None
+        mask = self._recv((T,), torch.bool) if w_e else None
+        additive = self._recv((T, w_a), dtype) if w_a else None
+        q = qsl.tolist()
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
+                                 block_tables=tables,
+                                 query_lens_cpu=[b - a for a, b in zip(q, q[1:])],
+                                 seq_lens_cpu=seq_lens.tolist(), max_query_len=max_q,
+                                 decode_only=max_q == 1)
+        fb = ForwardBatch(input_ids=ids, positions=positions, attn=meta, inputs_embeds=embeds,
+                          embeds_mask=mask, additive_embeds=additive)
+        return EagerStep(fb, rows)
+
+
+# ------------------------------------------------------------------------- executing a step
+class TPGraphModel:
+    """The model as DecodeGraphs sees it under tensor parallelism: its forward also takes the
+    logits of every row (the all-gather inside the forward graph) into a buffer that
+    compute_logits() reads back, so the head graphs hold no collective."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int) -> None:
+        self.__dict__["_model"] = model
+        self.__dict__["max_rows"] = max_rows  # the largest graph's batch size
+        # [max_rows, V] fp32, at the first (warm-up) run: one buffer that every forward and
+        # head graph of every size reads and writes
+        self.__dict__["logits"] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_model"], name)
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        model = self.__dict__["_model"]
+        hidden = model(batch)
+        logits = model.compute_logits(hidden)
+        if self.logits is None:  # the first run: a warm-up, before any capture
+            self.__dict__["logits"] = torch.zeros(self.max_rows, logits.shape[1],
+                                                  dtype=logits.dtype, device=logits.device)
+        self.logits[:logits.shape[0]].copy_(logits)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits[:hidden.shape[0]]
+
+
+@torch.inference_mode()
+def run_step(runner, step: EagerStep | GraphStep) -> None:
+    """A rank > 0 runs rank 0's step on its own shard (results stay on rank 0)."""
+    if isinstance(step, EagerStep):
+        hidden = runner.model(step.batch)
+        if step.sample_rows.numel():
+            runner.model.compute_logits(hidden[step.sample_rows])
+        runner.num_forwards += 1
+        return
+    g, B = runner.graphs, step.size
+    has_e, has_a = step.embeds is not None, step.additive is not None
+    g.dev[:step.ints.shape[0]].copy_(step.ints)
+    if has_e and g.embeds is None:
+        g.embeds = torch.zeros(g.max_size, step.embeds.shape[1], dtype=g.dtype, device=g.device)
+    if has_a and g.additive is None:
+        g.additive = torch.zeros(g.max_size, step.additive.shape[1], dtype=g.dtype,
+                                 device=g.device)
+    key = (B, has_e, has_a)
+    fwd = g.graphs.get(key)
+    if fwd is None:  # rank 0 captures this key in this step too (same warm-up collectives)
+        if has_e:
+            g.embeds_mask[:B].zero_()
+        if has_a:
+            g.additive[:B].zero_()
+        fwd = g.graphs[key] = g.capture_graph(
+            lambda warm: g._forward(B, has_e, has_a, warm))
+    if has_e:
+        g.embeds[:B].copy_(step.embeds)
+        g.embeds_mask[:B].copy_(step.embeds_mask)
+    if has_a:
+        g.additive[:B].copy_(step.additive)
+    fwd.replay()
+    runner.num_forwards += 1
+
+
+def follow(runner) -> int:
+    """A rank > 0's loop: rank 0's steps until it says stop; returns the steps run."""
+    channel = StepChannel(runner.tp, runner.device)
+    steps = 0
+    while (step := channel.receive()) is not None:
+        run_step(runner, step)
+        steps += 1
+    return steps
+
+
+# ------------------------------------------------------------------------- worker processes
+@dataclass(frozen=True)
+class RankSetup:
+    """What a worker rank needs to join its group (picklable)."""
+
+    rank: int
+    size: int
+    backend: str  # "gloo" (CPU) | "nccl" (CUDA)
+    host: str
+    port: int
+    device: str
+    timeout_s: float
+    num_threads: int  # torch intra-op threads of a CPU rank (0: torch's default)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank built (a worker sends it to rank 0 once ready): its parameters' shapes
+    and its KV cache."""
+
+    rank: int
+    param_shapes: dict[str, tuple[int, ...]]
+    kv_shape: tuple[int, int, int]  # (layers, KV heads of this rank, head_dim)
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+
+
+def rank_report(rank: int, runner) -> RankReport:
+    from omnistage.engine.ar.model_runner import kv_bytes_per_block
+    shapes = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
+    return RankReport(rank, shapes, tuple(runner.model.kv_shape), runner.num_blocks,
+                      kv_bytes_per_block(runner.model, runner.config.block_size, runner.dtype))
+
+
+def _join_and_build(setup: RankSetup, build: Callable[..., Any], args: tuple):
+    if setup.num_threads:
+        torch.set_num_threads(setup.num_threads)
+    device = torch.device(setup.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = new_group(setup.backend, setup.rank, setup.size, setup.host, setup.port,
+                   setup.timeout_s)
+    with tensor_parallel(tp):
+        runner = build(*args, device)
+    if getattr(runner, "tp", None) is not tp:
+        raise RuntimeError("tensor parallel: the stage's model was not built in its group "
+                           "(does its family support tensor_parallel_size?)")
+    return runner
+
+
+def _worker_main(conn) -> None:
+    """A worker process: jobs (join a group, build a stage's rank, follow rank 0's steps until
+    stop) one after the other, until its pipe closes. An error is sent to rank 0 and ends the
+    process (its group is unusable)."""
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        setup, build, args = job
+        try:
+            runner = _join_and_build(setup, build, args)
+            conn.send(("ready", rank_report(setup.rank, runner)))
+            conn.send(("done", follow(runner)))
+        except Exception as e:  # reported to rank 0, which fails the stage's start
+            log.exception("tensor-parallel rank %d failed", setup.rank)
+            conn.send(("error", f"rank {setup.rank}: {type(e).__name__}: {e}"))
+            return
+        del runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class _Worker:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
+                                name="omnistage-tp-worker")
+        self.proc.start()
+        child.close()
+
+
+_IDLE: list[_Worker] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _acquire(n: int) -> list[_Worker]:
+    with _POOL_LOCK:
+        alive = [w for w in _IDLE if w.proc.is_alive()]
+        _IDLE[:] = alive[n:]
+        taken = alive[:n]
+    return taken + [_Worker() for _ in range(n - len(taken))]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_devices(size: int, devices: list[torch.device]) -> str:
+    """The backend for these ranks' devices; ValueError naming tensor_parallel_size when they
+    do not fit (one device per rank, existing, all CPU or all CUDA)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size: a positive integer, got {size!r}")
+    if len(devices) != size:
+        raise ValueError(f"tensor_parallel_size: {size} ranks but {len(devices)} devices")
+    kinds = {d.type for d in devices}
+    if kinds == {"cpu"}:
+        return "gloo"
+    if kinds != {"cuda"}:
+        raise ValueError(f"tensor_parallel_size: ranks on mixed devices {devices}")
+    count = torch.cuda.device_count()
+    indices = [d.index if d.index is not None else 0 for d in devices]
+    if max(indices) >= count or len(set(indices)) != size:
+        raise ValueError(f"tensor_parallel_size: {size} needs {size} distinct GPUs; devices "
+                         f"{[str(d) for d in devices]}, this machine has {count}")
+    return "nccl"
+
+
+class TPWorkers:
+    """Rank 0's handle on a stage's worker ranks 1..N-1."""
+
+    def __init__(self, tp: TensorParallel, workers: list[_Worker], device: torch.device) -> None:
+        self.tp, self.workers, self.device = tp, workers, device
+        self.reports: list[RankReport] = []
+        self.closed = False
+
+    def _reply(self, worker: _Worker, timeout_s: float) -> tuple:
+        if not worker.conn.poll(timeout_s):
+            raise RuntimeError(f"tensor parallel: a worker rank sent nothing in {timeout_s} s")
+        msg = worker.conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"tensor parallel: {msg[1]}")
+        return msg
+
+    def wait_ready(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RankReport]:
+        """The worker ranks' reports (after rank 0 built its own: the builds share
+        collectives)."""
+        self.reports = [self._reply(w, timeout_s)[1] for w in self.workers]
+        return self.reports
+
+    def attach(self, runner) -> None:
+        """Rank 0's runner owns the ranks: runner.close(), or its garbage collection, stops
+        them (not at interpreter exit: the daemon processes end with it)."""
+        runner.tp_workers = self
+        weakref.finalize(runner, self.close).atexit = False
+
+    def abandon(self) -> None:
+        """After a failed start: end the worker processes (they may wait in a collective)."""
+        self.closed = True
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(5)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Tell the worker ranks to stop following; they go back to the pool. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        StepChannel(self.tp, self.device).send_stop()
+        for w in self.workers:
+            self._reply(w, timeout_s)
+        with _POOL_LOCK:
+            _IDLE.extend(self.workers)
+
+
+def start_workers(size: int, devices: list[torch.device], build: Callable[..., Any],
+                  args: tuple, timeout_s: float = DEFAULT_TIMEOUT_S
+                  ) -> tuple[TensorParallel, TPWorkers]:
+    """Start ranks 1..size-1 (each calls build(*args, its device) inside its group and returns
+    the stage's ModelRunner, then follows rank 0), and join the group as rank 0. The caller
+    builds rank 0's stage inside tensor_parallel(tp), then calls workers.wait_ready()."""
+    backend = check_devices(size, devices)
+    if backend == "nccl":
+        env.nccl_device_rules()  # NVLink multicast off, for this process and the spawned ranks
+    host = "127.0.0.1"
+    port = _free_port(host)
+    threads = max(1, (os.cpu_count() or 1) // size) if backend == "gloo" else 0
+    workers = _acquire(size - 1)
+    for rank, w in enumerate(workers, 1):
+        w.conn.send((RankSetup(rank, size, backend, host, port, str(devices[rank]), timeout_s,
+                               threads), build, args))
+    tp = new_group(backend, 0, size, host, port, timeout_s)
+    handle = TPWorkers(tp, workers, devices[0])
+    return tp, handle

@@ -1,0 +1,594 @@
+"""One Realtime session: a conversation (items), an input audio buffer with optional server VAD,
+and at most one response at a time, run on the AsyncOmniLLM with the whole conversation as its
+prompt (earlier turns' KV comes back from the prefix cache).
+
+Server events for a response, in OpenAI's order: response.created, response.output_item.added,
+conversation.item.added, response.content_part.added, then transcript and audio deltas
+(response.output_audio_transcript.delta / response.output_audio.delta, or
+response.output_text.delta), then response.output_audio.done, .output_audio_transcript.done,
+response.content_part.done, response.output_item.done, conversation.item.done, response.done.
+
+Transcript truncation (conversation.item.truncate, barge-in): the talker emits codec code k
+from the thinker's reply row k, so the audio of the first c codes speaks at most the first c
+text tokens; a truncated item keeps the text tokens of the codes played."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel
+from starlette.websockets import WebSocketDisconnect
+
+from omnistage.entrypoints.async_llm import RuntimeShutDown
+from omnistage.entrypoints.openai.protocol import APIError
+from omnistage.entrypoints.openai.realtime.protocol import (
+    PCM_RATE, BufferAppend, BufferClear, BufferCommit, ItemCreate, ItemTruncate, MessageItem,
+    RealtimeProtocolError, ResponseCancel, ResponseCreate, SessionConfig, SessionUpdate,
+    merge_session)
+from omnistage.entrypoints.openai.realtime.vad import TurnDetector
+from omnistage.entrypoints.openai.serving import ServerState, build_sampling, to_pcm16
+from omnistage.models.qwen2_5_omni.media import resample
+
+log = logging.getLogger("omnistage.realtime")
+THINKER_RATE = 16000  # the audio encoders' input rate
+MIN_COMMIT_MS = 100  # OpenAI refuses to commit less than 100 ms of audio
+
+
+@dataclass(frozen=True)
+class RealtimeLimits:
+    max_event_bytes: int = 4 << 20  # one client event (base64 audio: ~64 KB per second)
+    max_buffer_seconds: float = 60.0  # uncommitted input audio
+    max_session_seconds: float = 1800.0  # wall clock from session.created
+    max_items: int = 256  # conversation items kept
+    max_conversation_audio_seconds: float = 600.0  # user audio in the conversation
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+@dataclass
+class Item:
+    id: str
+    role: str  # user | assistant | system
+    parts: list[tuple[str, Any]]  # ("text", str) | ("audio", float32 16 kHz array)
+    status: str = "completed"
+    # assistant items
+    text_ids: list[int] = field(default_factory=list)
+    transcript: str = ""
+    audio_samples: int = 0  # pcm16 samples at 24 kHz sent to the client
+    codes: int = 0  # codec codes the talker made for it
+    audio: bool = False  # the response had audio output
+
+    def event_item(self) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        for kind, value in self.parts:
+            if self.role == "assistant":
+                content.append({"type": "output_audio", "transcript": self.transcript}
+                               if self.audio else {"type": "output_text",
+                                                   "text": self.transcript})
+            elif kind == "text":
+                content.append({"type": "input_text", "text": value})
+            else:
+                content.append({"type": "input_audio", "transcript": None})
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": self.status, "content": content}
+
+
+@dataclass
+class Response:
+    id: str
+    item: Item
+    modalities: list[str]
+    voice: str | None
+    max_output_tokens: int | str
+    task: asyncio.Task | None = None
+    rid: str = ""
+    status: str = "in_progress"
+    reason: str | None = None  # cancelled: turn_detected | client_cancelled
+    error: str | None = None
+    ended: bool = False
+    usage: dict[str, Any] | None = None
+    cached_tokens: int = 0
+
+
+class AudioClock:
+    """Audio samples (24 kHz) per codec code of this server's pipeline, measured on the
+    responses that ran to their end (streamed outputs carry no code counts; a cancelled
+    response's transcript is cut with this)."""
+
+    def __init__(self) -> None:
+        self.samples_per_code: float | None = None
+        self._codes = 0  # of the longest response measured (the least off by a code)
+
+    def observe(self, samples: int, codes: int) -> None:
+        if samples > 0 and codes > self._codes:
+            self.samples_per_code, self._codes = samples / codes, codes
+
+
+class RealtimeSession:
+    def __init__(self, state: ServerState, model: str, send: Callable[[str], Awaitable[None]],
+                 limits: RealtimeLimits, clock: AudioClock | None = None) -> None:
+        self.state, self.model, self._send, self.limits = state, model, send, limits
+        self.clock = clock or AudioClock()
+        self.id = _id("sess")
+        self.started = time.monotonic()
+        processor = getattr(state.llm.pipeline, "processor", None)
+        audio_out = "audio" in state.output_modalities
+        self.config = SessionConfig(
+            model=model, output_modalities=["audio" if audio_out else "text"],
+            instructions=getattr(processor, "audio_system_prompt", None))
+        self.items: list[Item] = []
+        self.buffer = bytearray()  # uncommitted pcm16 at 24 kHz
+        self.buffer_start_ms = 0  # session audio time of buffer[0]
+        self.appended_samples = 0  # all audio appended, at 24 kHz
+        self.detector: TurnDetector | None = None
+        self.speech_item: str | None = None  # item id of the speech in progress (VAD)
+        self.response: Response | None = None
+        self.closed = False
+        self._send_lock = asyncio.Lock()
+        self._reset_detector()
+        self.num_responses = 0
+        self.last_response: Response | None = None  # (tests, the benchmark)
+
+    # ------------------------------------------------------------------ sending
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        event = {"event_id": _id("event"), **event}
+        async with self._send_lock:
+            try:
+                await self._send(json.dumps(event, separators=(",", ":")))
+            except (WebSocketDisconnect, RuntimeError, OSError) as e:
+                # the client went away: the receive loop sees it and closes the session
+                log.info("%s: event %s not sent, the socket is closed (%s)", self.id,
+                         event["type"], type(e).__name__)
+                self.closed = True
+
+    async def start(self) -> None:
+        await self.send({"type": "session.created", "session": self.session_object()})
+
+    def session_object(self) -> dict[str, Any]:
+        data = self.config.model_dump()
+        return {"id": self.id, "object": "realtime.session", **data}
+
+    # ------------------------------------------------------------------ dispatch
+    async def handle(self, event: BaseModel) -> None:
+        """One parsed client event; RealtimeProtocolError for what cannot be served."""
+        handler = {SessionUpdate: self._session_update, BufferAppend: self._append,
+                   BufferCommit: self._commit, BufferClear: self._clear,
+                   ItemCreate: self._item_create, ItemTruncate: self._truncate,
+                   ResponseCreate: self._response_create,
+                   ResponseCancel: self._response_cancel}[type(event)]
+        await handler(event)
+
+    async def _session_update(self, ev: SessionUpdate) -> None:
+        cfg = merge_session(self.config, ev.session, ev.event_id)
+        if cfg.model is not None and cfg.model != self.model:
+            raise RealtimeProtocolError(f"session.model: {cfg.model!r} cannot change within a "
+                                        f"session (it is {self.model!r})", "session.model",
+                                        ev.event_id)
+        if cfg.output_modalities == ["audio"] and "audio" not in self.state.output_modalities:
+            raise RealtimeProtocolError("session.output_modalities: this model gives text only",
+                                        "session.output_modalities", ev.event_id)
+        voice = cfg.audio.output.voice
+        if voice is not None:
+            try:
+                cfg.audio.output.voice = self.state.resolve_voice(voice,
+                                                                  "session.audio.output.voice")
+            except APIError as e:
+                raise RealtimeProtocolError(e.message, e.param, ev.event_id) from e
+        self._sampling(cfg, cfg.max_output_tokens, ev.event_id)  # (bounds checked now)
+        old_vad = self.config.audio.input.turn_detection
+        self.config = cfg
+        if cfg.audio.input.turn_detection != old_vad:
+            self._reset_detector()
+        await self.send({"type": "session.updated", "session": self.session_object()})
+
+    def _reset_detector(self) -> None:
+        vad = self.config.audio.input.turn_detection
+        self.detector = None if vad is None else TurnDetector(
+            vad.threshold, vad.silence_duration_ms, vad.prefix_padding_ms)
+        self.speech_item = None
+
+    # ------------------------------------------------------------------ input audio
+    def _ms(self, samples: int) -> int:
+        return samples * 1000 // PCM_RATE
+
+    async def _append(self, ev: BufferAppend) -> None:
+        raw = _b64(ev.audio, "audio", ev.event_id)
+        if len(raw) % 2:
+            raise RealtimeProtocolError("audio: pcm16 needs an even number of bytes", "audio",
+                                        ev.event_id)
+        limit = int(self.limits.max_buffer_seconds * PCM_RATE) * 2
+        if len(self.buffer) + len(raw) > limit:
+            raise RealtimeProtocolError(
+                f"audio: the input audio buffer would exceed {self.limits.max_buffer_seconds:g}"
+                " s; commit or clear it", "audio", ev.event_id, code="buffer_too_large")
+        self.buffer += raw
+        self.appended_samples += len(raw) // 2
+        if self.detector is None:
+            return
+        vad = self.config.audio.input.turn_detection
+        for vad_event in self.detector.feed(np.frombuffer(raw, "<i2")):
+            if vad_event.kind == "start":
+                self._drop_buffer_before(vad_event.ms)
+                self.speech_item = _id("item")
+                await self.send({"type": "input_audio_buffer.speech_started",
+                                 "audio_start_ms": vad_event.ms, "item_id": self.speech_item})
+                if self.response is not None and vad.interrupt_response:
+                    await self.cancel_response("turn_detected")
+            elif self.speech_item is not None:
+                item_id, self.speech_item = self.speech_item, None
+                await self.send({"type": "input_audio_buffer.speech_stopped",
+                                 "audio_end_ms": vad_event.ms, "item_id": item_id})
+                end = min(len(self.buffer), (vad_event.ms - self.buffer_start_ms)
+                          * PCM_RATE // 1000 * 2)
+                await self._commit_audio(bytes(self.buffer[:end]), item_id, None)
+                del self.buffer[:end]
+                self.buffer_start_ms = vad_event.ms
+                if vad.create_response:
+                    await self._start_response(None, None)
+        if self.speech_item is None:  # no speech: keep only what prefix padding may need
+            self._drop_buffer_before(self._ms(self.appended_samples) - vad.prefix_padding_ms
+                                     - 100)
+
+    def _drop_buffer_before(self, ms: int) -> None:
+        if ms > self.buffer_start_ms:
+            cut = min(len(self.buffer), (ms - self.buffer_start_ms) * PCM_RATE // 1000 * 2)
+            del self.buffer[:cut]
+            self.buffer_start_ms += self._ms(cut // 2)
+
+    async def _commit(self, ev: BufferCommit) -> None:
+        ms = self._ms(len(self.buffer) // 2)
+        if ms < MIN_COMMIT_MS:
+            raise RealtimeProtocolError(
+                f"input_audio_buffer: buffer too small: {ms} ms of audio; at least "
+                f"{MIN_COMMIT_MS} ms must be appended before a commit", "input_audio_buffer",
+                ev.event_id, code="input_audio_buffer_commit_empty")
+        item_id = self.speech_item or _id("item")
+        self.speech_item = None
+        await self._commit_audio(bytes(self.buffer), item_id, ev.event_id)
+        self.buffer_start_ms += ms
+        self.buffer.clear()
+
+    async def _commit_audio(self, pcm: bytes, item_id: str, event_id: str | None) -> None:
+        x = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+        audio = resample(x, PCM_RATE, THINKER_RATE).astype(np.float32)  # for the thinker
+        used = sum(len(v) for it in self.items for k, v in it.parts if k == "audio")
+        if (used + len(audio)) / THINKER_RATE > self.limits.max_conversation_audio_seconds:
+            raise RealtimeProtocolError(
+                f"input_audio_buffer: the conversation would hold more than "
+                f"{self.limits.max_conversation_audio_seconds:g} s of audio",
+                "input_audio_buffer", event_id, code="conversation_too_long")
+        previous = self.items[-1].id if self.items else None
+        item = Item(item_id, "user", [("audio", audio)])
+        await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous,
+                         "item_id": item_id})
+        await self._add_item(item, previous)
+
+    async def _clear(self, ev: BufferClear) -> None:
+        self.buffer_start_ms += self._ms(len(self.buffer) // 2)
+        self.buffer.clear()
+        self.speech_item = None
+        await self.send({"type": "input_audio_buffer.cleared"})
+
+    # ------------------------------------------------------------------ items
+    async def _add_item(self, item: Item, previous: str | None) -> None:
+        if len(self.items) >= self.limits.max_items:
+            self.items.pop(0)  # oldest first (OpenAI's truncation: auto)
+        self.items.append(item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous,
+                         "item": item.event_item()})
+        await self.send({"type": "conversation.item.done", "previous_item_id": previous,
+                         "item": item.event_item()})
+
+    async def _item_create(self, ev: ItemCreate) -> None:
+        m: MessageItem = ev.item
+        ids = {it.id for it in self.items}
+        if m.id is not None and m.id in ids:
+            raise RealtimeProtocolError(f"item.id: {m.id!r} is already in the conversation",
+                                        "item.id", ev.event_id)
+        if ev.previous_item_id is not None and ev.previous_item_id not in ids:
+            raise RealtimeProtocolError(f"previous_item_id: no item {ev.previous_item_id!r}",
+                                        "previous_item_id", ev.event_id)
+        parts: list[tuple[str, Any]] = []
+        for j, part in enumerate(m.content):
+            where = f"item.content[{j}]"
+            if part.type == "input_audio":
+                if m.role != "user":
+                    raise RealtimeProtocolError(f"{where}.type: {m.role} items take text only",
+                                                f"{where}.type", ev.event_id)
+                raw = _b64(part.audio, f"{where}.audio", ev.event_id)
+                if len(raw) % 2 or not raw:
+                    raise RealtimeProtocolError(f"{where}.audio: pcm16 needs a non-empty, even "
+                                                "number of bytes", f"{where}.audio", ev.event_id)
+                x = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+                parts.append(("audio", resample(x, PCM_RATE, THINKER_RATE).astype(np.float32)))
+            elif (part.type == "input_text") != (m.role != "assistant"):
+                raise RealtimeProtocolError(f"{where}.type: {part.type!r} does not fit a "
+                                            f"{m.role} item", f"{where}.type", ev.event_id)
+            else:
+                parts.append(("text", part.text))
+        item = Item(m.id or _id("item"), m.role, parts)
+        if m.role == "assistant":
+            item.transcript = "".join(v for _, v in parts)
+        previous = ev.previous_item_id or (self.items[-1].id if self.items else None)
+        await self._add_item(item, previous)
+
+    async def _truncate(self, ev: ItemTruncate) -> None:
+        item = next((it for it in self.items if it.id == ev.item_id), None)
+        if item is None or item.role != "assistant":
+            raise RealtimeProtocolError(f"item_id: no assistant item {ev.item_id!r}", "item_id",
+                                        ev.event_id)
+        if ev.content_index != 0:
+            raise RealtimeProtocolError("content_index: must be 0", "content_index", ev.event_id)
+        if self.response is not None and self.response.item is item:
+            await self.cancel_response("client_cancelled")
+        played = ev.audio_end_ms * PCM_RATE // 1000
+        if played > item.audio_samples:
+            raise RealtimeProtocolError(
+                f"audio_end_ms: {ev.audio_end_ms} is past the item's audio "
+                f"({self._ms(item.audio_samples)} ms)", "audio_end_ms", ev.event_id)
+        self._cut_transcript(item, played)
+        await self.send({"type": "conversation.item.truncated", "item_id": item.id,
+                         "content_index": 0, "audio_end_ms": ev.audio_end_ms})
+
+    def _cut_transcript(self, item: Item, played: int) -> None:
+        """Keep the text tokens whose codes were played (module note)."""
+        per_code = self.clock.samples_per_code
+        if played == 0:
+            keep = 0
+        elif per_code is not None:
+            keep = min(len(item.text_ids), -(-played // max(int(per_code), 1)))
+        else:  # (no response of this server has finished yet: nothing to measure with)
+            return
+        item.text_ids = item.text_ids[:keep]
+        item.transcript = self.state.llm.tokenizer.decode(item.text_ids,
+                                                          skip_special_tokens=True)
+        item.audio_samples = played
+        item.status = "incomplete"
+
+    # ------------------------------------------------------------------ responses
+    async def _response_create(self, ev: ResponseCreate) -> None:
+        if self.response is not None:
+            raise RealtimeProtocolError(
+                f"response: {self.response.id} is in progress; cancel it or wait for its "
+                "response.done", "response", ev.event_id, code="conversation_already_has_"
+                "active_response")
+        await self._start_response(ev.response, ev.event_id)
+
+    async def _response_cancel(self, ev: ResponseCancel) -> None:
+        resp = self.response
+        if resp is None or (ev.response_id is not None and ev.response_id != resp.id):
+            raise RealtimeProtocolError("response_id: no response in progress"
+                                        + (f" with id {ev.response_id!r}" if ev.response_id
+                                           else ""), "response_id", ev.event_id,
+                                        code="response_cancel_not_active")
+        await self.cancel_response("client_cancelled")
+
+    def _sampling(self, cfg: SessionConfig, max_tokens: int | str, event_id: str | None):
+        s = cfg.sampling
+        top = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+               "repetition_penalty": s.repetition_penalty,
+               "max_tokens": None if max_tokens == "inf" else max_tokens}
+        try:
+            return build_sampling(self.state, top, None, s.seed)
+        except APIError as e:
+            param = f"session.sampling.{e.param}" if e.param else "session.sampling"
+            raise RealtimeProtocolError(f"session.sampling: {e.message}", param,
+                                        event_id) from e
+
+    def _messages(self, instructions: str | None) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if instructions:
+            out.append({"role": "system", "content": instructions})
+        for it in self.items:
+            if it.role == "assistant":
+                out.append({"role": "assistant", "content": it.transcript})
+                continue
+            parts = [{"type": "text", "text": v} if k == "text" else
+                     {"type": "audio", "audio": v} for k, v in it.parts]
+            out.append({"role": it.role, "content": parts})
+        return out
+
+    async def _start_response(self, params, event_id: str | None) -> None:
+        cfg = self.config
+        modalities = (params.output_modalities if params and params.output_modalities
+                      else cfg.output_modalities)
+        max_tokens = params.max_output_tokens if params and params.max_output_tokens \
+            is not None else cfg.max_output_tokens
+        instructions = params.instructions if params and params.instructions is not None \
+            else cfg.instructions
+        if not any(it.role == "user" for it in self.items):
+            raise RealtimeProtocolError("response: the conversation has no user item yet",
+                                        "response", event_id)
+        if modalities == ["audio"] and "audio" not in self.state.output_modalities:
+            raise RealtimeProtocolError("response.output_modalities: this model gives text "
+                                        "only", "response.output_modalities", event_id)
+        sampling = self._sampling(cfg, max_tokens, event_id)
+        item = Item(_id("item"), "assistant", [("text", "")], status="in_progress",
+                    audio=modalities == ["audio"])
+        resp = Response(_id("resp"), item, modalities, cfg.audio.output.voice, max_tokens)
+        prompt: dict[str, Any] = {"messages": self._messages(instructions)}
+        if resp.voice is not None and item.audio:
+            prompt["voice"] = resp.voice
+        try:
+            self.state.acquire()
+        except APIError as e:
+            raise RealtimeProtocolError(e.message, "response", event_id, code=e.code or
+                                        "server_busy") from e
+        self.response = resp
+        self.num_responses += 1
+        resp.task = asyncio.get_running_loop().create_task(self._run(resp, prompt, sampling))
+
+    def _response_object(self, resp: Response) -> dict[str, Any]:
+        details = None
+        if resp.status == "cancelled":
+            details = {"type": "cancelled", "reason": resp.reason}
+        elif resp.status == "failed":
+            details = {"type": "failed", "error": {"type": "server_error",
+                                                   "code": "generation_failed",
+                                                   "message": resp.error}}
+        return {"id": resp.id, "object": "realtime.response", "status": resp.status,
+                "status_details": details, "conversation_id": self.id,
+                "output_modalities": resp.modalities,
+                "output": [resp.item.event_item()] if resp.status != "in_progress" else [],
+                "audio": {"output": {"format": {"type": "audio/pcm", "rate": PCM_RATE},
+                                     "voice": resp.voice}},
+                "max_output_tokens": resp.max_output_tokens, "usage": resp.usage}
+
+    def _where(self, resp: Response) -> dict[str, Any]:
+        return {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0}
+
+    async def _run(self, resp: Response, prompt: dict[str, Any], sampling) -> None:
+        """The response's events and its request; ended by _end (here, or by cancel)."""
+        llm, item = self.state.llm, resp.item
+        resp.rid = f"realtime-{resp.id}"
+        previous = self.items[-1].id if self.items else None
+        try:
+            await self.send({"type": "response.created",
+                             "response": self._response_object(resp)})
+            await self.send({"type": "response.output_item.added", "response_id": resp.id,
+                             "output_index": 0, "item": item.event_item()})
+            self.items.append(item)
+            await self.send({"type": "conversation.item.added", "previous_item_id": previous,
+                             "item": item.event_item()})
+            part = {"type": "audio", "transcript": ""} if item.audio else \
+                {"type": "text", "text": ""}
+            await self.send({"type": "response.content_part.added", **self._where(resp),
+                             "content_index": 0, "part": part})
+            modalities = ["text", "audio"] if item.audio else ["text"]
+            req = await llm.prepare(prompt, sampling, modalities, request_id=resp.rid)
+            async for out in llm.run(req):
+                await self._deltas(resp, out)
+                if out.finished:
+                    resp.cached_tokens = out.metrics.num_cached_tokens
+                    if out.error:
+                        resp.status, resp.error = "failed", out.error
+                    resp.usage = self._usage(resp, out)
+                    if not out.error and item.audio:
+                        self.clock.observe(item.audio_samples, item.codes)
+        except ValueError as e:  # the request was refused (e.g. the conversation is too long)
+            resp.status, resp.error = "failed", str(e)
+        except RuntimeShutDown:
+            resp.status, resp.error = "failed", "the server is shutting down"
+        except asyncio.CancelledError:
+            if resp.status == "in_progress":  # not our cancel: the session is closing
+                raise
+            return  # cancel_response ends it
+        if resp.status == "in_progress":
+            resp.status = "completed"
+        await self._end(resp)
+
+    async def _deltas(self, resp: Response, out) -> None:
+        item = resp.item
+        item.text_ids = list(out.token_ids)
+        codec = self.state.codec_stage
+        if codec is not None and codec in out.stages:  # (the last output)
+            item.codes = len(out.stages[codec].token_ids)
+        if out.text_delta:
+            item.transcript += out.text_delta
+            kind = "response.output_audio_transcript.delta" if item.audio else \
+                "response.output_text.delta"
+            await self.send({"type": kind, **self._where(resp), "content_index": 0,
+                             "delta": out.text_delta})
+        if out.audio is not None and len(out.audio) and item.audio:
+            wave = out.audio
+            if out.sample_rate and out.sample_rate != PCM_RATE:
+                wave = resample(wave, out.sample_rate, PCM_RATE)
+            pcm = to_pcm16(wave)
+            item.audio_samples += len(pcm)
+            await self.send({"type": "response.output_audio.delta", **self._where(resp),
+                             "content_index": 0,
+                             "delta": base64.b64encode(pcm.tobytes()).decode()})
+
+    def _usage(self, resp: Response, out) -> dict[str, Any]:
+        codes = out.metrics.tokens_per_stage.get(self.state.codec_stage, 0) \
+            if self.state.codec_stage else 0
+        prompt, text = len(out.prompt_token_ids), len(out.token_ids)
+        return {"total_tokens": prompt + text + codes, "input_tokens": prompt,
+                "output_tokens": text + codes,
+                "input_token_details": {"cached_tokens": out.metrics.num_cached_tokens,
+                                        "text_tokens": prompt, "audio_tokens": 0},
+                "output_token_details": {"text_tokens": text, "audio_tokens": codes}}
+
+    async def cancel_response(self, reason: str) -> None:
+        """Abort the response in every stage (AsyncOmniLLM.abort, then the consumer task is
+        cancelled, which aborts again if needed) and end it with status cancelled."""
+        resp = self.response
+        if resp is None or resp.ended:
+            return
+        resp.status, resp.reason = "cancelled", reason
+        if resp.rid:
+            await self.state.llm.abort(resp.rid)
+        if resp.task is not None and not resp.task.done():
+            resp.task.cancel()
+            await asyncio.gather(resp.task, return_exceptions=True)
+        await self._end(resp)
+
+    async def _end(self, resp: Response) -> None:
+        if resp.ended:
+            return
+        resp.ended = True
+        self.response = None
+        self.last_response = resp
+        self.state.release()
+        item = resp.item
+        item.status = "completed" if resp.status == "completed" else "incomplete"
+        if resp.status == "cancelled" and item.audio:  # text past the audio sent was not said
+            self._cut_transcript(item, item.audio_samples)
+        if item not in self.items:  # (ended before its item was added)
+            self.items.append(item)
+        where = self._where(resp)
+        if item.audio:
+            await self.send({"type": "response.output_audio.done", **where, "content_index": 0})
+            await self.send({"type": "response.output_audio_transcript.done", **where,
+                             "content_index": 0, "transcript": item.transcript})
+            part = {"type": "audio", "transcript": item.transcript}
+        else:
+            await self.send({"type": "response.output_text.done", **where, "content_index": 0,
+                             "text": item.transcript})
+            part = {"type": "text", "text": item.transcript}
+        await self.send({"type": "response.content_part.done", **where, "content_index": 0,
+                         "part": part})
+        await self.send({"type": "response.output_item.done", "response_id": resp.id,
+                         "output_index": 0, "item": item.event_item()})
+        await self.send({"type": "conversation.item.done", "item": item.event_item()})
+        await self.send({"type": "response.done", "response": self._response_object(resp)})
+        log.info("%s: %s %s (%d text tokens, %d audio samples, %d cached prompt tokens)",
+                 self.id, resp.id, resp.status, len(item.text_ids), item.audio_samples,
+                 resp.cached_tokens)
+
+    # ------------------------------------------------------------------ close
+    async def close(self) -> None:
+        """The socket closed: abort the response in every stage; send nothing more."""
+        resp = self.response
+        self.closed = True
+        if resp is not None and not resp.ended:
+            resp.status, resp.reason = "cancelled", "client_disconnected"
+            if resp.rid:
+                await self.state.llm.abort(resp.rid)
+            if resp.task is not None:
+                resp.task.cancel()
+                await asyncio.gather(resp.task, return_exceptions=True)
+            await self._end(resp)
+        self.items.clear()
+        self.buffer.clear()
+
+
+def _b64(data: str, param: str, event_id: str | None) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RealtimeProtocolError(f"{param}: invalid base64: {e}", param, event_id) from e
