@@ -257,7 +257,13 @@ def _chat_fixes(srv: _ThreadServer) -> dict[str, Callable[[Any, random.Random], 
             "stage_sampling_params": stage_params,
             "data": lambda v, rng: rng.choice(AUDIO_DATA) if isinstance(v, str) else v,
             "image_url": lambda v, rng: _with_url(v, rng.choice(IMAGE_URLS)),
-            "video_url": lambda v, rng: _with_url(v, rng.choice(VIDEO_URLS))}
+            "video_url": lambda v, rng: _with_url(v, rng.choice(VIDEO_URLS)),
+            # random tools / formats mostly fail their own checks (400): usually left out
+            "tools": _mostly_none, "tool_choice": _mostly_none, "response_format": _mostly_none}
+
+
+def _mostly_none(value: Any, rng: random.Random) -> Any:
+    return None if rng.random() < 0.8 else value
 
 
 def _with_url(value: Any, url: str) -> Any:
