@@ -102,8 +102,8 @@ def register_realtime(app: FastAPI, state: ServerState,
         try:
             await session.start()
             await _serve(ws, session, limits)
-        except WebSocketDisconnect:
-            pass  # (the client closed: nothing left to tell it)
+        except WebSocketDisconnect as e:  # the client closed: nothing left to tell it
+            log.info("%s: client disconnected (code %s)", session.id, e.code)
         finally:
             registry.sessions.discard(session)
             await session.close()
