@@ -38,3 +38,42 @@ def timed(fn, reps: int, digits: int = 3) -> float:
         sync()
         times.append(1e3 * (time.perf_counter() - t))
     return round(sorted(times)[len(times) // 2], digits)
+
+
+def parse_stage_devices(spec: str) -> dict[str, list[str]]:
+    """`--stage-devices "thinker=cuda:0,talker=cuda:1,code2wav=cuda:1"` -> each stage's devices;
+    `thinker=cuda:0+cuda:1` lists a stage's tensor-parallel ranks (or replicas, with
+    `--replicas`)."""
+    out: dict[str, list[str]] = {}
+    for part in filter(None, spec.split(",")):
+        name, sep, devs = part.partition("=")
+        if not sep or not devs:
+            raise ValueError(f"--stage-devices: {part!r}; expected stage=device[+device...]")
+        out[name.strip()] = [d.strip() for d in devs.split("+")]
+    return out
+
+
+def pipeline_yaml(builtin: str, out: Path, per_stage: dict[str, dict],
+                  keep: list[str] | None = None) -> str:
+    """The built-in pipeline `builtin` with fields of some stages replaced (device, devices,
+    tensor_parallel_size, worker, ...) and, with `keep`, only those stages: written to `out`
+    (validated by the schema on load). Returns its path."""
+    import yaml
+
+    from omnistage.config.schema import load_pipeline
+    data = load_pipeline(builtin).model_dump(mode="json", exclude_defaults=True)
+    unknown = set(per_stage) - {st["name"] for st in data["stages"]}
+    if unknown:
+        raise ValueError(f"stages {sorted(unknown)}: not in the {builtin} pipeline")
+    if keep is not None:
+        data["stages"] = [st for st in data["stages"] if st["name"] in keep]
+    for st in data["stages"]:
+        fields = per_stage.get(st["name"], {})
+        if "devices" in fields and len(fields["devices"]) == 1 and "tensor_parallel_size" \
+                not in fields and fields.get("replicas", 1) == 1:
+            fields = {**{k: v for k, v in fields.items() if k != "devices"},
+                      "device": fields["devices"][0]}
+        st.update(fields)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(data))
+    return str(out)

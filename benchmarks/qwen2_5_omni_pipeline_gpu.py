@@ -36,6 +36,7 @@ except ImportError:  # the GPU machine lacks it; nothing here reads audio files
     sys.modules["soundfile"] = types.ModuleType("soundfile")
     sys.modules["soundfile"].__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
 
+from benchmarks.common import parse_stage_devices, pipeline_yaml  # noqa: E402
 from omnistage.entrypoints.async_llm import AsyncOmniLLM  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 from omnistage.runtime.stage import StageStream  # noqa: E402
@@ -537,9 +538,12 @@ class NvmlPeak:
         import subprocess
         import threading
         self.peak = 0
+        # the physical GPU this process's cuda:0 is (nvidia-smi ignores CUDA_VISIBLE_DEVICES)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        index = visible if visible.isdigit() else "0"
         self._proc = subprocess.Popen(
             ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-             "-lms", "50", "-i", "0"], stdout=subprocess.PIPE, text=True)
+             "-lms", "50", "-i", index], stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -585,18 +589,16 @@ async def main_async(args, res: dict, save) -> None:
                                          vocoder_dtype=args.code2wav_vocoder_dtype)
     res["code2wav_dit_dtype"] = options.dit_dtype_for(dev)
     res["code2wav_vocoder_dtype"] = options.vocoder_dtype_for(dev)
+    per_stage: dict[str, dict] = {}
+    for name in filter(None, args.process_stages.split(",")):  # stages in processes of their own
+        per_stage.setdefault(name, {})["worker"] = "process"
+    for name, devs in parse_stage_devices(args.stage_devices).items():  # e.g. one per GPU
+        per_stage.setdefault(name, {})["devices"] = devs
     pipeline = None
-    if args.process_stages:  # these stages in processes of their own (pipeline YAML `worker`)
-        import yaml
-
-        from omnistage.config.schema import BUILTIN_DIR
-        cfg = yaml.safe_load((BUILTIN_DIR / "qwen2_5_omni.yaml").read_text())
-        for st in cfg["stages"]:
-            if st["name"] in args.process_stages.split(","):
-                st["worker"] = "process"
-        pipeline = str(ckpt / "pipeline_process_stages.yaml")
-        Path(pipeline).write_text(yaml.safe_dump(cfg))
-        res["process_stages"] = args.process_stages
+    if per_stage:
+        pipeline = pipeline_yaml("qwen2_5_omni", ckpt / "pipeline_bench.yaml", per_stage)
+        res["process_stages"] = args.process_stages or None
+        res["stage_devices"] = args.stage_devices or None
     # sized for the largest round of any kind (a staggered or serial round included)
     top = max(conc + [int(c) for a in [args.oneshot, *(getattr(args, f) for f in ROUND_MODES)]
                       for c in a.split(",") if c]
@@ -801,6 +803,9 @@ def main() -> None:
     ap.add_argument("--process-stages", default="",
                     help="comma-separated stages to run in processes of their own")
     ap.add_argument("--device", default=None, help="default: cpu with --small, else cuda")
+    ap.add_argument("--stage-devices", default="",
+                    help='stages on GPUs of their own, e.g. "thinker=cuda:0,talker=cuda:1,'
+                         'code2wav=cuda:1" (benchmarks.common.parse_stage_devices)')
     ap.add_argument("--watchdog-s", type=float, default=0,
                     help="print every thread's stack after this many seconds (hang hunting)")
     ap.add_argument("--hf-json", default="",

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # omnistage and benchmarks.*
 # (importing the Qwen2.5 pipeline benchmark also stubs soundfile where it is missing)
+from benchmarks.common import parse_stage_devices, pipeline_yaml  # noqa: E402
 from benchmarks.hf_omni_gpu import hf_generate_bench, hf_warmup, our_name  # noqa: E402
 from benchmarks.qwen2_5_omni_pipeline_gpu import pct, prompts  # noqa: E402
 from omnistage.checkpoint import dummy_tensors, iter_tensors, quiet_transformers  # noqa: E402
@@ -253,10 +254,12 @@ def stage_params(llm: AsyncOmniLLM, text_tokens: int, frames: int) -> dict:
     """The engine's default sampling with the lengths forced. The talker's last sampled
     codebook-0 token closes the utterance without a frame: frames + 1 talker tokens."""
     d = llm.pipeline.default_params
-    return {"thinker": dataclasses.replace(d["thinker"], min_tokens=text_tokens,
-                                           max_tokens=text_tokens, ignore_eos=True),
-            "talker": dataclasses.replace(d["talker"], min_tokens=frames + 1,
-                                          max_tokens=frames + 1)}
+    out = {"thinker": dataclasses.replace(d["thinker"], min_tokens=text_tokens,
+                                          max_tokens=text_tokens, ignore_eos=True)}
+    if "talker" in d:  # (a thinker-only pipeline has none)
+        out["talker"] = dataclasses.replace(d["talker"], min_tokens=frames + 1,
+                                            max_tokens=frames + 1)
+    return out
 
 
 async def request(llm: AsyncOmniLLM, ids: list[int], params: dict,
@@ -343,6 +346,26 @@ async def thinker_decode_bs1(llm: AsyncOmniLLM, text_tokens: int) -> dict:
             "thinker_busy_ms_per_step": stages["thinker"]["ms_per_step"]}
 
 
+async def thinker_decode(llm: AsyncOmniLLM, c: int, text_tokens: int) -> dict:
+    """c text-only requests at once (a decode batch of c): ms per token of each request between
+    its first and last token's arrival (p50 over the requests), and the thinker's busy time
+    per step."""
+    p = stage_params(llm, text_tokens, 1)["thinker"]
+    before = stage_counters(llm)
+    rows = await asyncio.gather(*[request(llm, ids, {"thinker": p}, ["text"])
+                                  for ids in prompts(c, PROMPT_LEN, 600 + c)])
+    stages = stage_deltas(before, stage_counters(llm))
+    per_request = []
+    for row in rows:
+        (t0, n0), (t1, n1) = next(t for t in row["ticks"] if t[1] > 0), row["ticks"][-1]
+        per_request.append(1e3 * (t1 - t0) / max(1, n1 - n0))
+    return {"batch": c, "text_tokens": len(rows[0]["token_ids"]),
+            "ttft_p50_s": round(statistics.median(r["ttft"] for r in rows), 4),
+            "ms_per_token_p50": round(statistics.median(per_request), 3),
+            "thinker_busy_ms_per_step": stages["thinker"]["ms_per_step"],
+            "first_request_text_ids": rows[0]["token_ids"][:32]}
+
+
 def plain(obj) -> dict:
     d = dataclasses.asdict(obj)
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
@@ -375,6 +398,13 @@ async def bench_ours(args, res: dict, save, dev: torch.device, ckpt: Path, cfg: 
     options = {"load_format": "dummy", "quantization": "fp8" if args.fp8 else None}
     if max(conc) > 64:  # the engine's default max_num_seqs
         options["max_num_seqs"] = max(conc)
+    per_stage = {name: {"devices": devs}
+                 for name, devs in parse_stage_devices(args.stage_devices).items()}
+    if per_stage or args.thinker_only:  # stages on GPUs of their own; the thinker alone
+        options["pipeline"] = pipeline_yaml(
+            "qwen3_omni", ckpt / "pipeline_bench.yaml", per_stage,
+            keep=["thinker"] if args.thinker_only else None)
+        res["stage_devices"], res["thinker_only"] = args.stage_devices, args.thinker_only
     res["engine_options"] = options
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -387,6 +417,16 @@ async def bench_ours(args, res: dict, save, dev: torch.device, ckpt: Path, cfg: 
         res["peak_mem_load_GiB"] = gib(torch.cuda.max_memory_allocated())
     save("load_s")
     try:
+        if args.thinker_only:  # decode ms/token per batch size (tensor-parallel comparisons)
+            for c in conc:  # warm-up: graphs per batch size
+                await thinker_decode(llm, c, args.warmup_text_tokens)
+            res["thinker_decode"] = {}
+            for c in conc:
+                res["thinker_decode"][f"b{c}"] = await thinker_decode(llm, c, args.text_tokens)
+                save("thinker_decode")
+            if dev.type == "cuda":
+                res["peak_mem_GiB"] = gib(torch.cuda.max_memory_allocated())
+            return
         t0 = time.perf_counter()
         warm = stage_params(llm, args.warmup_text_tokens, args.warmup_frames)
         for c in conc:  # compile, Triton specializations, graph shapes per batch size
@@ -503,6 +543,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name, default in INT_OPTIONS.items():  # rounds per concurrency; lengths (frames: 80 ms)
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--fp8", action="store_true", help='quantization="fp8" (MoE experts)')
+    ap.add_argument("--stage-devices", default="",
+                    help='e.g. "thinker=cuda:0,talker=cuda:1,code2wav=cuda:1"; '
+                         '"thinker=cuda:0+cuda:1": the thinker at tensor_parallel_size 2')
+    ap.add_argument("--thinker-only", action="store_true",
+                    help="the thinker stage alone: decode ms/token at each --concurrency")
     ap.add_argument("--load-part", default="talker",
                     help="'talker' (talker + code2wav), 'thinker:N' (thinker with N layers) or "
                          "'none': written as safetensors, load speed timed")
