@@ -19,6 +19,7 @@ from omnistage.engine.ar.scheduler import EngineConfig, engine_config
 from omnistage.engine.ar.tp import start_workers
 from omnistage.layers.parallel import current_tp, tensor_parallel
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
+from omnistage.runtime.stage import on_device
 from omnistage.runtime import startup
 from omnistage.sampling_params import SamplingParams
 
@@ -184,7 +185,8 @@ def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
     ctx = StageContext(Path(path), config, pipeline, stage, device, dtype,
                        placement.stage_options(options), devices, placement.tp,
                        placement.replica)
-    return build_ranks(ctx, STAGE_BUILDERS[stage.model].build, placement)
+    with on_device(devices[0]):  # its warm-up kernels and graphs go to its own GPU
+        return build_ranks(ctx, STAGE_BUILDERS[stage.model].build, placement)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ next to the downstream model). Hidden rows never reach the orchestrator."""
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import dataclasses
 import logging
@@ -151,6 +153,10 @@ class ARStageWorker:
     def request_ids(self) -> list[str]:
         return list(self.engine.seqs)
 
+    def close(self) -> None:
+        """The runtime stopped: stop the stage's tensor-parallel ranks (idempotent)."""
+        self.engine.runner.close()
+
     def restrict(self, request_ids: frozenset[str] | None) -> None:
         self.engine.scheduler.only = request_ids
 
@@ -190,6 +196,15 @@ class StageLink:
 # deliver(downstream stage, request id, link index, message)
 Deliver = Callable[[str, str, int, Any], None]
 _MOVE_DEPTH = 3  # containers inside a link message searched for tensors
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes `device` the current CUDA device (a no-op off CUDA). Triton kernels and CUDA
+    graphs launch on the current device, not their tensors': a stage on cuda:1 driven from a
+    thread whose current device is cuda:0 would otherwise launch its kernels on the wrong GPU."""
+    if device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def move_tensors(obj: Any, device: torch.device, depth: int = _MOVE_DEPTH) -> Any:
@@ -247,7 +262,8 @@ class StageHost:
 
     def submit(self, request_id: str, request: Any, links: list[StageLink]) -> None:
         self.links[request_id] = links
-        self.worker.submit(request_id, request)
+        with on_device(self.worker.device):
+            self.worker.submit(request_id, request)
         for index, msg in self.early.pop(request_id, ()):
             self.num_early -= 1
             self.receive(request_id, index, msg)
@@ -261,11 +277,13 @@ class StageHost:
             self.num_early += 1
             return
         # data from a stage on another device: moved next to this one (see move_tensors)
-        links[index].adapter.receive(request_id, move_tensors(msg, self.worker.device),
-                                     self.worker)
+        with on_device(self.worker.device):
+            links[index].adapter.receive(request_id, move_tensors(msg, self.worker.device),
+                                         self.worker)
 
     def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
+        with on_device(self.worker.device):
+            self.worker.abort(request_id)
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -284,17 +302,21 @@ class StageHost:
         return self.worker.stalled
 
     def step(self) -> list[StageEvent]:
-        return self._forward(self.worker.step())
+        with on_device(self.worker.device):
+            return self._forward(self.worker.step())
 
     def launch(self) -> LaunchedStep | None:
         """Queue a step's GPU work (collect() gives its events)."""
-        return self.worker.launch()
+        with on_device(self.worker.device):
+            return self.worker.launch()
 
     def collect(self, launched: LaunchedStep) -> list[StageEvent]:
-        return self._forward(self.worker.collect(launched))
+        with on_device(self.worker.device):
+            return self._forward(self.worker.collect(launched))
 
     def fail_all(self, error: str) -> list[StageEvent]:
-        return self._forward(self.worker.fail_all(error))
+        with on_device(self.worker.device):
+            return self._forward(self.worker.fail_all(error))
 
     def recover(self, exc: Exception) -> list[StageEvent]:
         """After a step raised `exc`: find the requests that make it raise, fail those alone,
@@ -305,6 +327,10 @@ class StageHost:
         and no other request sees it. When every request fails alone (a broken device, a
         bad weight), the stage itself is broken and all of them have failed, as before. A
         step that no longer raises once split (a transient fault) costs only the probe."""
+        with on_device(self.worker.device):
+            return self._recover(exc)
+
+    def _recover(self, exc: Exception) -> list[StageEvent]:
         cause = f"{type(exc).__name__}: {exc}"
         self.worker.reset_step()
         suspects = self.worker.request_ids()
