@@ -29,7 +29,7 @@ from omnistage.outputs import OmniRequestOutput, StageOutput
 from omnistage.runtime.process import ProcessStage, StageProcessSpec, unpack_events
 from omnistage.runtime.replicas import ReplicaSet
 from omnistage.runtime.stage import (LaunchedStep, StageEvent, StageHost, StageLink,
-                                     StageWorker)
+                                     StageWorker, on_device)
 
 log = logging.getLogger("omnistage.runtime")
 STALL_WARNING_SECONDS = 60.0  # a launched step this long unfinished is logged (with streams)
@@ -166,6 +166,7 @@ class Orchestrator:
             self._drain_control(block=False)
             self._fail_all_requests()
             self._stop_remote()
+            self._close_local()
 
     @property
     def alive(self) -> bool:
@@ -329,6 +330,20 @@ class Orchestrator:
         for stage in self.remote.values():
             stage.stop(timeout=5.0)
 
+    def _close_local(self) -> None:
+        """Shutdown, in the thread that steps the stages: each stage of this process frees
+        what outlives its requests (an AR stage's tensor-parallel ranks: engine/ar/tp.py).
+        Stage workers without a close() hold nothing of the kind."""
+        for unit, host in self.local.items():
+            close = getattr(host.worker, "close", None)
+            if close is None:
+                continue
+            try:
+                with on_device(host.worker.device):  # its collectives on its own GPU
+                    close()
+            except Exception:  # noqa: BLE001 - one stage's failure must not stop the others'
+                log.exception("stage %s: close failed", unit)
+
     def _deliver(self, downstream: str, request_id: str, index: int, msg: Any) -> None:
         self.hosts[downstream].receive(request_id, index, msg)
 
@@ -339,6 +354,7 @@ class Orchestrator:
             self._iteration()
         self._fail_all_requests()
         self._stop_remote()
+        self._close_local()
 
     def _fail_all_requests(self) -> None:
         for rid in list(self.requests):  # shutdown: nothing is left running
@@ -488,7 +504,7 @@ class Orchestrator:
             req.stage_reasons[ev.stage] = ev.finish_reason
             host = self.hosts.get(ev.stage)
             if isinstance(host, ReplicaSet):
-                host.release(req.request_id)
+                host.release(req.request_id, failed=bool(ev.error))
         if ev.error:
             self._fail(req.request_id, ev.error)
             return

@@ -33,6 +33,11 @@ class ReplicaSet:
         self.assigned: dict[str, int] = {}  # request id -> its replica (until it finishes)
         self.load = [0] * len(replicas)  # requests each replica holds now
         self.served = [0] * len(replicas)  # requests each replica has been given, ever
+        # how the requests a replica was given left it: finished there, finished there with an
+        # error, or dropped before finishing (aborted, failed or timed out elsewhere)
+        self.finished = [0] * len(replicas)
+        self.failed = [0] * len(replicas)
+        self.aborted = [0] * len(replicas)
 
     def route(self, request_id: str) -> int:
         """The request's replica: its own, or (new) the least-loaded one."""
@@ -44,11 +49,16 @@ class ReplicaSet:
             self.served[r] += 1
         return r
 
-    def release(self, request_id: str) -> None:
-        """The request is done on this stage: its replica's load drops."""
+    def release(self, request_id: str, failed: bool = False) -> None:
+        """The request finished on this stage (with an error: `failed`): its replica's load
+        drops."""
         r = self.assigned.pop(request_id, None)
         if r is not None:
             self.load[r] -= 1
+            if failed:
+                self.failed[r] += 1
+            else:
+                self.finished[r] += 1
 
     def replica_of(self, request_id: str) -> int | None:
         return self.assigned.get(request_id)
@@ -66,10 +76,11 @@ class ReplicaSet:
         self.replicas[self.route(request_id)].receive(request_id, index, msg)
 
     def abort(self, request_id: str) -> None:
-        r = self.assigned.get(request_id)
-        if r is not None:
+        r = self.assigned.pop(request_id, None)
+        if r is not None:  # (a request that finished here was released already)
             self.replicas[r].abort(request_id)
-        self.release(request_id)
+            self.load[r] -= 1
+            self.aborted[r] += 1
 
     def stats(self) -> dict[str, float]:
         """The replicas' numbers added up (per-replica numbers: replica_stats)."""
@@ -88,5 +99,10 @@ class ReplicaSet:
         return out
 
     def replica_stats(self) -> list[dict[str, float]]:
-        return [dict(rep.stats(), routed=float(self.served[r]), holding=float(self.load[r]))
+        """Each replica's own stats, with its requests: routed (given to it, ever), holding
+        (now), finished, failed (finished with an error) and aborted (dropped before
+        finishing)."""
+        return [dict(rep.stats(), routed=float(self.served[r]), holding=float(self.load[r]),
+                     finished=float(self.finished[r]), failed=float(self.failed[r]),
+                     aborted=float(self.aborted[r]))
                 for r, rep in enumerate(self.replicas)]

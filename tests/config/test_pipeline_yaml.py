@@ -82,3 +82,27 @@ def test_stage_engine_options_reach_the_engine(tiny_omni_dir, tmp_path):
     assert llm.pipeline.engines["thinker"].config.block_size == 8
     assert llm.pipeline.default_params["talker"].max_tokens == 7
     llm.shutdown()
+
+
+def test_distributed_docs_yaml_validates():
+    """Every YAML block of docs/distributed.md is a whole pipeline that loads (schema, graph,
+    registered names), so the documented deployments cannot drift from the schema."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 5, "the TP, replica, 2-GPU and 2-node examples"
+    layouts = {}
+    for block in blocks:
+        cfg = load_pipeline(yaml.safe_load(block))
+        check_registered(cfg)
+        layouts[cfg.name] = {s.name: (s.tp_size, s.replica_devices()) for s in cfg.stages}
+    assert layouts["qwen2_5_omni_2gpu"] == {"thinker": (1, [["cuda:0"]]),
+                                            "talker": (1, [["cuda:1"]]),
+                                            "code2wav": (1, [["cuda:1"]])}
+    assert layouts["qwen3_omni_tp2"]["thinker"] == (2, [["cuda:0", "cuda:1"]])
+    assert layouts["qwen2_5_omni_code2wav_x2"]["code2wav"] == (1, [["cuda:0"], ["cuda:1"]])
+    ray = load_pipeline(yaml.safe_load(next(b for b in blocks if "qwen2_5_omni_2node" in b)))
+    assert all(s.worker == "ray" for s in ray.stages)
+    assert [s.placement.resources for s in ray.stages] == [{"node_a": 1}, {"node_b": 0.5},
+                                                           {"node_b": 0.5}]

@@ -226,6 +226,79 @@ def test_qwen3_omni_thinker_tp_matches_tp1(tiny_qwen3_omni_dir, qwen3_case, tp):
     assert experts and all(s[2] * tp == 32 for s in experts)  # moe_intermediate_size 32
 
 
+# ------------------------------------------------------------------------- shutdown
+def tp_llm_yaml(tmp_path, devices: list[str]) -> str:
+    import yaml
+    data = load_pipeline("llm").model_dump(mode="json", exclude_defaults=True)
+    data["stages"][0].update(tensor_parallel_size=2, devices=devices,
+                             engine={"max_num_seqs": 4})
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.parametrize("background,devices", [
+    (False, ["cpu", "cpu"]), (True, ["cpu", "cpu"]),
+    pytest.param(False, ["cuda:0", "cuda:1"], marks=[pytest.mark.gpu, TWO_GPUS])],
+    ids=["OmniLLM", "AsyncOmniLLM", "OmniLLM-nccl"])
+def test_shutdown_stops_ranks_in_order(tiny_qwen2, tmp_path, background, devices):
+    """OmniLLM.shutdown (and AsyncOmniLLM's, which the server calls) stops the worker rank:
+    it leaves its loop, shuts its side of the group and goes back to the pool idle (it then
+    builds the next engine's rank: it waits in no collective); rank 0's group is shut too."""
+    import asyncio
+
+    from omnistage import AsyncOmniLLM, OmniLLM
+    from omnistage.engine.ar import tp as tp_mod
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}, {"prompt_token_ids": [9, 8, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def build():
+        kw = {"device": devices[0], "pipeline": tp_llm_yaml(tmp_path, devices),
+              "max_model_len": 256}
+        return AsyncOmniLLM(str(tiny_qwen2), **kw) if background else \
+            OmniLLM(str(tiny_qwen2), **kw)
+
+    def generate(llm) -> list[list[int]]:
+        if not background:
+            return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+        async def one(i: int) -> list[int]:
+            async for out in llm.generate(prompts[i], params, request_id=f"r{i}"):
+                last = out
+            return last.token_ids
+
+        async def both() -> list[list[int]]:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(2))), 60)
+        return asyncio.run(both())
+
+    # an empty pool (earlier tests' idle ranks leave when told), so the second engine's rank
+    # can only be the first engine's
+    assert all(code == 0 for code in tp_mod.stop_idle_workers())
+    runs, pids = [], []
+    for _ in range(2):  # the second engine is built on the pool's (idle) rank
+        llm = build()
+        handle = llm.pipeline.engines["llm"].runner.tp_workers
+        assert handle is not None and len(handle.workers) == 1
+        rank_pid = handle.workers[0].proc.pid
+        pids.append(rank_pid)
+        assert rank_pid not in tp_mod.idle_workers()  # in a group while the engine lives
+        runs.append(generate(llm))
+        llm.shutdown()
+        assert handle.closed and rank_pid in tp_mod.idle_workers()
+        if devices[0] == "cpu":
+            with pytest.raises(RuntimeError):  # rank 0's side of the group is shut
+                handle.tp.all_reduce(torch.ones(1))
+        llm.shutdown()  # again: nothing left to stop
+    assert runs[0] == runs[1] and all(len(t) == MAX_TOKENS for t in runs[0])
+    assert pids[0] == pids[1]  # the idle rank took the second engine's job
+    # the idle rank leaves its loop when told (no collective holds it; else: terminated, -15)
+    assert tp_mod.idle_workers() == [rank_pid] and tp_mod.stop_idle_workers() == [0]
+    assert tp_mod.idle_workers() == []
+
+
 # ------------------------------------------------------------------------- bad sizes
 def test_bad_tensor_parallel_sizes(tiny_qwen2):
     from omnistage.models.qwen2.model import Qwen2ForCausalLM

@@ -78,10 +78,14 @@ def test_failing_replica_fails_only_its_requests(tiny_omni_dir, tmp_path, refere
 
         broken.step = broken.launch = crash
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        served = [s["routed"] for s in llm.runtime.replica_stats()["code2wav"]]
+        per_replica = llm.runtime.replica_stats()["code2wav"]
+        served = [s["routed"] for s in per_replica]
         assert llm.runtime.unit_errors["code2wav/1"] > 0 and \
             llm.runtime.unit_errors["code2wav/0"] == 0
     assert served == [2.0, 2.0]
+    # how they left: replica 0 finished its two, replica 1 failed its two
+    assert [(s["finished"], s["failed"], s["aborted"], s["holding"]) for s in per_replica] == \
+        [(2.0, 0.0, 0.0, 0.0), (0.0, 2.0, 0.0, 0.0)]
     # routing alternates: requests 0 and 2 on replica 0 (fine), 1 and 3 on replica 1 (failed)
     for i, (a, b) in enumerate(zip(reference, outs, strict=True)):
         if i % 2 == 0:
@@ -122,7 +126,14 @@ def test_routing_is_least_loaded_and_sticky():
     assert a.got[-1] == ("data", "r3", "chunk") and c.got[-1] == ("data", "r2", "chunk")
     rs.abort("r3")
     assert a.got[-1] == ("abort", "r3") and rs.load == [1, 1, 1]
+    rs.release("r4", failed=True)
+    rs.abort("r4")  # finished here already: nothing to abort
+    assert b.got[-1] == ("submit", "r4") and rs.load == [1, 0, 1]
+    rs.release("r0")
+    assert [(s["routed"], s["holding"], s["finished"], s["failed"], s["aborted"])
+            for s in rs.replica_stats()] == [(2, 0, 1, 0, 1), (2, 0, 1, 1, 0), (1, 1, 0, 0, 0)]
     assert rs.stats()["steps"] == 3.0 and rs.stats()["max_batch_size"] == 3.0
+    assert rs.stats()["routed"] == 5.0 and rs.stats()["finished"] == 2.0
     assert unit_name("code2wav", 1, 2) == "code2wav/1" and unit_name("talker", 0, 1) == "talker"
     with pytest.raises(ValueError, match="at least 2"):
         ReplicaSet("s", [a])

@@ -103,7 +103,8 @@ class ModelRunner:
             self.graphs.before_forward = self.channel.send_graph
 
     def close(self) -> None:
-        """Tensor parallel rank 0: the other ranks stop (back to their pool). Idempotent."""
+        """Tensor parallel rank 0: the other ranks stop, the group is shut, the ranks go back
+        to their pool idle (tp.TPWorkers.close). Idempotent."""
         if self.tp_workers is not None:
             self.tp_workers.close()
 

@@ -19,10 +19,20 @@ alone; each rank's decode step is one forward graph with its all-reduces inside.
 
 Worker ranks are processes of their own (spawned, kept in a pool between stages: a restarted
 stage or the next test reuses them); their builder is a picklable function from the runtime
-(runtime/build.py), which builds the same stage under layers.parallel.tensor_parallel."""
+(runtime/build.py), which builds the same stage under layers.parallel.tensor_parallel.
+
+Shutdown, in order (TPWorkers.close: the runtime closes its stages when it stops): rank 0
+broadcasts stop; each worker leaves its loop, says "stopped", shuts its side of the group and
+frees its stage, then says "idle"; rank 0 shuts its own side once every rank stopped (no rank
+is left in a collective, whether or not the backend's shutdown waits for its peers), and the
+workers go back to the pool idle. A worker that died, or does not answer, ends the others
+(terminated: they may wait in a collective) and none goes back. stop_idle_workers() ends the
+idle ones."""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -309,10 +319,21 @@ def _join_and_build(setup: RankSetup, build: Callable[..., Any], args: tuple):
     return runner
 
 
+def shutdown_group(tp: TensorParallel, abort: bool = False) -> None:
+    """This rank's side of the group: its communicator (NCCL) or connections (gloo) closed,
+    once no collective of the group is pending on any rank (see the module note); abort: at
+    once, pending collectives dropped (after a rank failed)."""
+    if tp.group is not None:
+        if abort:
+            tp.group.abort()
+        else:
+            tp.group.shutdown()
+
+
 def _worker_main(conn) -> None:
     """A worker process: jobs (join a group, build a stage's rank, follow rank 0's steps until
-    stop) one after the other, until its pipe closes. An error is sent to rank 0 and ends the
-    process (its group is unusable)."""
+    stop, shut the group) one after the other, until its pipe closes or it gets None. An error
+    is sent to rank 0 and ends the process (its group is unusable)."""
     while True:
         try:
             job = conn.recv()
@@ -324,14 +345,17 @@ def _worker_main(conn) -> None:
         try:
             runner = _join_and_build(setup, build, args)
             conn.send(("ready", rank_report(setup.rank, runner)))
-            conn.send(("done", follow(runner)))
-        except Exception as e:  # reported to rank 0, which fails the stage's start
+            conn.send(("stopped", follow(runner)))
+            shutdown_group(runner.tp)
+        except Exception as e:  # reported to rank 0, which fails the stage's start or close
             log.exception("tensor-parallel rank %d failed", setup.rank)
             conn.send(("error", f"rank {setup.rank}: {type(e).__name__}: {e}"))
             return
         del runner
+        gc.collect()  # the stage's weights and KV cache, before the next job builds its own
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        conn.send(("idle", os.getpid()))
 
 
 class _Worker:
@@ -354,6 +378,39 @@ def _acquire(n: int) -> list[_Worker]:
         _IDLE[:] = alive[n:]
         taken = alive[:n]
     return taken + [_Worker() for _ in range(n - len(taken))]
+
+
+def idle_workers() -> list[int]:
+    """The process ids of the idle worker ranks in the pool (alive, in no group)."""
+    with _POOL_LOCK:
+        return [w.proc.pid for w in _IDLE if w.proc.is_alive()]
+
+
+def stop_idle_workers(timeout_s: float = 10.0) -> list[int | None]:
+    """End the pool's idle worker ranks (they leave their loop; terminated if they do not
+    within timeout_s); returns their exit codes."""
+    with _POOL_LOCK:
+        workers, _IDLE[:] = list(_IDLE), []
+    for w in workers:
+        if w.proc.is_alive():
+            try:
+                w.conn.send(None)
+            except OSError as e:  # its pipe is gone: it is ending anyway
+                log.warning("tensor-parallel worker %s: %s", w.proc.pid, e)
+    codes = []
+    for w in workers:
+        w.proc.join(timeout_s)
+        if w.proc.is_alive():
+            w.proc.terminate()
+            w.proc.join(5)
+        w.conn.close()
+        codes.append(w.proc.exitcode)
+    return codes
+
+
+# at exit, the idle ranks leave their loop (before multiprocessing terminates its daemon
+# children: atexit runs the later registration first)
+atexit.register(stop_idle_workers, 2.0)
 
 
 def _free_port(host: str) -> int:
@@ -411,21 +468,42 @@ class TPWorkers:
         weakref.finalize(runner, self.close).atexit = False
 
     def abandon(self) -> None:
-        """After a failed start: end the worker processes (they may wait in a collective)."""
+        """After a failed start or close: end the worker processes (they may wait in a
+        collective), and rank 0's side of the group."""
         self.closed = True
         for w in self.workers:
             if w.proc.is_alive():
                 w.proc.terminate()
                 w.proc.join(5)
+        shutdown_group(self.tp, abort=True)
+
+    def _expect(self, kind: str, timeout_s: float) -> None:
+        for w in self.workers:
+            msg = self._reply(w, timeout_s)
+            if msg[0] != kind:
+                raise RuntimeError(f"tensor parallel: a worker rank sent {msg[0]!r}, "
+                                   f"expected {kind!r}")
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Tell the worker ranks to stop following; they go back to the pool. Idempotent."""
+        """Stop the worker ranks in order (module note): they go back to the pool idle, and
+        rank 0's side of the group is shut. Call it from the thread that steps the stage, no
+        step in flight. Idempotent; RuntimeError (the ranks ended) if a rank died or does not
+        answer."""
         if self.closed:
             return
         self.closed = True
-        StepChannel(self.tp, self.device).send_stop()
-        for w in self.workers:
-            self._reply(w, timeout_s)
+        dead = [w.proc.pid for w in self.workers if not w.proc.is_alive()]
+        if dead:  # a broadcast would wait for it until the group's timeout
+            self.abandon()
+            raise RuntimeError(f"tensor parallel: worker rank process(es) {dead} died")
+        try:
+            StepChannel(self.tp, self.device).send_stop()
+            self._expect("stopped", timeout_s)
+            shutdown_group(self.tp)
+            self._expect("idle", timeout_s)
+        except Exception:
+            self.abandon()
+            raise
         with _POOL_LOCK:
             _IDLE.extend(self.workers)
 

@@ -3,7 +3,9 @@
 Every HTTP request is counted once, with its status, by the RequestCounter middleware; the
 other counters and histograms are updated as requests finish; per-stage gauges (queue depth, running
 requests, batch size, KV blocks) are read from the runtime's `stats()` at scrape time, so they
-are never stale. Each server has its own registry (several apps can live in one process)."""
+are never stale; so are the per-replica series of replicated stages (`replica_stats()`,
+labelled {stage, replica}). Each server has its own registry (several apps can live in one
+process)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from omnistage.outputs import OmniRequestOutput
+from omnistage.runtime.replicas import unit_name
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0)
@@ -35,6 +38,52 @@ _STAGE_COUNTERS = {
                                 "Prompt tokens served from the prefix cache"),
     "preemptions": ("omnistage_stage_preemptions", "Requests preempted for KV space"),
 }
+
+# a replicated stage's replicas (runtime/replicas.py: ReplicaSet.replica_stats), labelled
+# {stage, replica}; stats key -> (metric name, help)
+_REPLICA_GAUGES = {
+    "holding": ("omnistage_replica_requests_in_flight", "Requests the replica holds now"),
+    "queue": ("omnistage_replica_queue_depth", "Requests waiting in the replica"),
+    "running": ("omnistage_replica_running_requests", "Requests running in the replica"),
+    "batch_size": ("omnistage_replica_batch_size", "Requests in the replica's last step"),
+    "alive": ("omnistage_replica_up", "1 while the replica's process or Ray actor is alive"),
+}
+_REPLICA_COUNTERS = {
+    "routed": ("omnistage_replica_requests_routed", "Requests routed to the replica"),
+    "finished": ("omnistage_replica_requests_finished", "Requests that finished on the replica"),
+    "failed": ("omnistage_replica_requests_failed",
+               "Requests that ended on the replica with an error"),
+    "aborted": ("omnistage_replica_requests_aborted", "Requests dropped from the replica before "
+                "they finished there (client gone, timeout, failure elsewhere, replica lost)"),
+    "busy_seconds": ("omnistage_replica_busy_seconds", "Seconds the replica spent stepping"),
+    "steps": ("omnistage_replica_steps", "Engine steps of the replica"),
+    "restarts": ("omnistage_replica_restarts", "Times the replica's process or actor was "
+                 "started again after it died"),
+}
+
+
+def _replica_families(runtime) -> list:
+    """Per-replica series of every stage with more than one replica."""
+    gauges = {k: GaugeMetricFamily(n, h, labels=["stage", "replica"]) for k, (n, h) in
+              _REPLICA_GAUGES.items()}
+    counters = {k: CounterMetricFamily(n, h, labels=["stage", "replica"]) for k, (n, h) in
+                _REPLICA_COUNTERS.items()}
+    errors = CounterMetricFamily("omnistage_replica_errors", "Step crashes of the replica "
+                                 "(its requests failed, the replica went on or was restarted)",
+                                 labels=["stage", "replica"])
+    for stage, replicas in runtime.replica_stats().items():
+        if len(replicas) < 2:
+            continue
+        for r, s in enumerate(replicas):
+            labels = [stage, str(r)]
+            for key, value in s.items():
+                if key in gauges:
+                    gauges[key].add_metric(labels, float(value))
+                elif key in counters:
+                    counters[key].add_metric(labels, float(value))
+            unit = unit_name(stage, r, len(replicas))
+            errors.add_metric(labels, float(runtime.unit_errors.get(unit, 0)))
+    return [*gauges.values(), *counters.values(), errors]
 
 
 class _RuntimeCollector:
@@ -62,6 +111,7 @@ class _RuntimeCollector:
         yield from gauges.values()
         yield from counters.values()
         yield errors
+        yield from _replica_families(runtime)
         yield GaugeMetricFamily("omnistage_runtime_requests", "Requests inside the runtime",
                                 value=float(runtime.num_active()))
         yield GaugeMetricFamily("omnistage_server_requests_in_flight",

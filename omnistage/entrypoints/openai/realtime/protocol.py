@@ -8,14 +8,20 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
+                      field_validator)
 
+from omnistage.entrypoints.openai.protocol import MAX_TOOLS
+from omnistage.entrypoints.openai.serving_transcriptions import LANGUAGES, MAX_PROMPT_CHARS
 from omnistage.sampling_params import INT64_MAX, INT64_MIN
 
 PCM_RATE = 24000  # OpenAI's audio/pcm: int16 little-endian mono at 24 kHz, both ways
 MAX_INSTRUCTIONS_CHARS = 16384
 MAX_ITEM_TEXT_CHARS = 65536
 MAX_ID_CHARS = 64
+MAX_NAME_CHARS = 64  # a function's name (as OpenAI's)
+MAX_DESCRIPTION_CHARS = 4096
+MAX_OUTPUT_CHARS = 65536  # a function_call_output item's output
 
 
 class _Strict(BaseModel):
@@ -38,10 +44,27 @@ class ServerVad(_Strict):
     idle_timeout_ms: None = None  # (not supported: must stay null)
 
 
+class InputTranscription(_Strict):
+    """Transcribe each committed user audio item (the session's own model does it, with the
+    ASR prompt of /v1/audio/transcriptions); `model` names it (this server has no other)."""
+
+    model: str = Field(min_length=1, max_length=MAX_ID_CHARS * 4)
+    language: str | None = Field(None, pattern=r"^[A-Za-z]{2,3}$")
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    @field_validator("language")
+    @classmethod
+    def _known_language(cls, value: str | None) -> str | None:
+        if value is not None and value.lower() not in LANGUAGES:
+            raise ValueError(f"{value!r} is not a supported ISO-639-1 code; supported: "
+                             f"{sorted(LANGUAGES)}")
+        return value
+
+
 class AudioInput(_Strict):
     format: AudioFormat = Field(default_factory=AudioFormat)
     turn_detection: ServerVad | None = Field(default_factory=lambda: ServerVad(type="server_vad"))
-    transcription: None = None  # (no input transcription model: must stay null)
+    transcription: InputTranscription | None = None  # None: no input transcription
     noise_reduction: None = None
 
 
@@ -69,6 +92,23 @@ class Sampling(_Strict):
 Modalities = list[Literal["text", "audio"]]
 
 
+class FunctionTool(_Strict):
+    """A function the model may call (OpenAI Realtime's flat shape)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked as chat checks it)
+
+
+class ToolChoiceFunction(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+
+ToolChoice = Literal["auto", "none", "required"] | ToolChoiceFunction
+
+
 class SessionConfig(_Strict):
     """`session` of session.update (every field optional there: merged over the current one)."""
 
@@ -78,8 +118,8 @@ class SessionConfig(_Strict):
     instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS)
     audio: AudioConfig = Field(default_factory=AudioConfig)
     max_output_tokens: int | Literal["inf"] = "inf"
-    tools: Annotated[list[Any], Field(max_length=0)] = []  # (no tool calls)
-    tool_choice: Literal["auto", "none"] = "auto"
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] = []
+    tool_choice: ToolChoice = "auto"
     sampling: Sampling = Field(default_factory=Sampling)
 
 
@@ -112,6 +152,33 @@ class MessageItem(_Strict):
     content: Annotated[list[ContentPart], Field(min_length=1, max_length=16)]
 
 
+class FunctionCallItem(_Strict):
+    """A call the client adds to the conversation (e.g. one it keeps from another session)."""
+
+    type: Literal["function_call"]
+    id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    arguments: str = Field(max_length=MAX_ITEM_TEXT_CHARS)
+
+
+class FunctionCallOutputItem(_Strict):
+    """The result of a call, from the client."""
+
+    type: Literal["function_call_output"]
+    id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    output: str = Field(max_length=MAX_OUTPUT_CHARS)
+
+
+ConversationItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem,
+                             Field(discriminator="type")]
+
+
 # ------------------------------------------------------------------------- client events
 class _Event(_Strict):
     event_id: str | None = Field(None, max_length=MAX_ID_CHARS)
@@ -138,7 +205,7 @@ class BufferClear(_Event):
 class ItemCreate(_Event):
     type: Literal["conversation.item.create"]
     previous_item_id: str | None = None
-    item: MessageItem
+    item: ConversationItem
 
 
 class ItemTruncate(_Event):
@@ -190,7 +257,9 @@ class RealtimeProtocolError(Exception):
 
 
 _PART_TAGS = ("input_text", "input_audio", "output_text", "text")
-_MODEL_NAMES = ("ServerVad", "InputText", "InputAudio", "OutputText", "int", "str")
+_ITEM_TAGS = ("message", "function_call", "function_call_output")
+_MODEL_NAMES = ("ServerVad", "InputText", "InputAudio", "OutputText", "InputTranscription",
+                "ToolChoiceFunction", "int", "str")
 
 
 def field_path(loc: tuple) -> str:
@@ -208,6 +277,8 @@ def field_path(loc: tuple) -> str:
             tag_next = False
             continue
         tag_next = False
+        if parts and parts[-1] == "item" and p in _ITEM_TAGS:  # (the item's type tag)
+            continue
         if p in _MODEL_NAMES or "[" in p or "-" in p:
             continue
         parts.append(p)

@@ -20,9 +20,7 @@ import binascii
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,89 +29,28 @@ from starlette.websockets import WebSocketDisconnect
 
 from omnistage.entrypoints.async_llm import RuntimeShutDown
 from omnistage.entrypoints.openai.protocol import APIError
+from omnistage.entrypoints.openai.realtime import tools as rt_tools
+from omnistage.entrypoints.openai.realtime.items import (AudioClock, CallItem, CallOutputItem,
+                                                         ConversationEntry, Item,
+                                                         RealtimeLimits, Response,
+                                                         response_usage)
+from omnistage.entrypoints.openai.realtime.items import new_id as _id
 from omnistage.entrypoints.openai.realtime.protocol import (
-    PCM_RATE, BufferAppend, BufferClear, BufferCommit, ItemCreate, ItemTruncate, MessageItem,
-    RealtimeProtocolError, ResponseCancel, ResponseCreate, SessionConfig, SessionUpdate,
-    merge_session)
+    PCM_RATE, BufferAppend, BufferClear, BufferCommit, FunctionCallItem, FunctionCallOutputItem,
+    ItemCreate, ItemTruncate, MessageItem, RealtimeProtocolError, ResponseCancel,
+    ResponseCreate, SessionConfig, SessionUpdate, merge_session)
+from omnistage.entrypoints.openai.realtime.transcription import (InputTranscriber,
+                                                                 check_transcription)
 from omnistage.entrypoints.openai.realtime.vad import TurnDetector
 from omnistage.entrypoints.openai.serving import ServerState, build_sampling, to_pcm16
+from omnistage.entrypoints.openai.tool_calls import CALL_OPEN, ToolCallStream
 from omnistage.models.qwen2_5_omni.media import resample
+
+__all__ = ["AudioClock", "RealtimeLimits", "RealtimeSession"]  # (routes imports them here)
 
 log = logging.getLogger("omnistage.realtime")
 THINKER_RATE = 16000  # the audio encoders' input rate
 MIN_COMMIT_MS = 100  # OpenAI refuses to commit less than 100 ms of audio
-
-
-@dataclass(frozen=True)
-class RealtimeLimits:
-    max_event_bytes: int = 4 << 20  # one client event (base64 audio: ~64 KB per second)
-    max_buffer_seconds: float = 60.0  # uncommitted input audio
-    max_session_seconds: float = 1800.0  # wall clock from session.created
-    max_items: int = 256  # conversation items kept
-    max_conversation_audio_seconds: float = 600.0  # user audio in the conversation
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
-
-
-@dataclass
-class Item:
-    id: str
-    role: str  # user | assistant | system
-    parts: list[tuple[str, Any]]  # ("text", str) | ("audio", float32 16 kHz array)
-    status: str = "completed"
-    # assistant items
-    text_ids: list[int] = field(default_factory=list)
-    transcript: str = ""
-    audio_samples: int = 0  # pcm16 samples at 24 kHz sent to the client
-    codes: int = 0  # codec codes the talker made for it
-    audio: bool = False  # the response had audio output
-
-    def event_item(self) -> dict[str, Any]:
-        content: list[dict[str, Any]] = []
-        for kind, value in self.parts:
-            if self.role == "assistant":
-                content.append({"type": "output_audio", "transcript": self.transcript}
-                               if self.audio else {"type": "output_text",
-                                                   "text": self.transcript})
-            elif kind == "text":
-                content.append({"type": "input_text", "text": value})
-            else:
-                content.append({"type": "input_audio", "transcript": None})
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
-                "status": self.status, "content": content}
-
-
-@dataclass
-class Response:
-    id: str
-    item: Item
-    modalities: list[str]
-    voice: str | None
-    max_output_tokens: int | str
-    task: asyncio.Task | None = None
-    rid: str = ""
-    status: str = "in_progress"
-    reason: str | None = None  # cancelled: turn_detected | client_cancelled
-    error: str | None = None
-    ended: bool = False
-    usage: dict[str, Any] | None = None
-    cached_tokens: int = 0
-
-
-class AudioClock:
-    """Audio samples (24 kHz) per codec code of this server's pipeline, measured on the
-    responses that ran to their end (streamed outputs carry no code counts; a cancelled
-    response's transcript is cut with this)."""
-
-    def __init__(self) -> None:
-        self.samples_per_code: float | None = None
-        self._codes = 0  # of the longest response measured (the least off by a code)
-
-    def observe(self, samples: int, codes: int) -> None:
-        if samples > 0 and codes > self._codes:
-            self.samples_per_code, self._codes = samples / codes, codes
 
 
 class RealtimeSession:
@@ -128,7 +65,7 @@ class RealtimeSession:
         self.config = SessionConfig(
             model=model, output_modalities=["audio" if audio_out else "text"],
             instructions=getattr(processor, "audio_system_prompt", None))
-        self.items: list[Item] = []
+        self.items: list[ConversationEntry] = []
         self.buffer = bytearray()  # uncommitted pcm16 at 24 kHz
         self.buffer_start_ms = 0  # session audio time of buffer[0]
         self.appended_samples = 0  # all audio appended, at 24 kHz
@@ -140,6 +77,7 @@ class RealtimeSession:
         self._reset_detector()
         self.num_responses = 0
         self.last_response: Response | None = None  # (tests, the benchmark)
+        self.transcriber = InputTranscriber(state, self.id, self.send, self._response_submitted)
 
     # ------------------------------------------------------------------ sending
     async def send(self, event: dict[str, Any]) -> None:
@@ -189,6 +127,8 @@ class RealtimeSession:
             except APIError as e:
                 raise RealtimeProtocolError(e.message, e.param, ev.event_id) from e
         self._sampling(cfg, cfg.max_output_tokens, ev.event_id)  # (bounds checked now)
+        rt_tools.check_session_tools(cfg, ev.event_id)
+        check_transcription(cfg.audio.input.transcription, self.state, self.model, ev.event_id)
         old_vad = self.config.audio.input.turn_detection
         self.config = cfg
         if cfg.audio.input.turn_detection != old_vad:
@@ -276,6 +216,15 @@ class RealtimeSession:
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous,
                          "item_id": item_id})
         await self._add_item(item, previous)
+        if self.config.audio.input.transcription is not None:  # (beside the response)
+            self.transcriber.start(item, self.config.audio.input.transcription)
+
+    async def _response_submitted(self) -> None:
+        """An input transcription starts once the response it rides beside is in the engine,
+        never ahead of it (bounded: a response is submitted or ended within a prepare)."""
+        if self.response is not None:
+            await asyncio.wait([asyncio.ensure_future(self.response.submitted.wait())],
+                               timeout=10.0)
 
     async def _clear(self, ev: BufferClear) -> None:
         self.buffer_start_ms += self._ms(len(self.buffer) // 2)
@@ -284,7 +233,7 @@ class RealtimeSession:
         await self.send({"type": "input_audio_buffer.cleared"})
 
     # ------------------------------------------------------------------ items
-    async def _add_item(self, item: Item, previous: str | None) -> None:
+    async def _add_item(self, item: ConversationEntry, previous: str | None) -> None:
         if len(self.items) >= self.limits.max_items:
             self.items.pop(0)  # oldest first (OpenAI's truncation: auto)
         self.items.append(item)
@@ -294,14 +243,29 @@ class RealtimeSession:
                          "item": item.event_item()})
 
     async def _item_create(self, ev: ItemCreate) -> None:
-        m: MessageItem = ev.item
         ids = {it.id for it in self.items}
-        if m.id is not None and m.id in ids:
-            raise RealtimeProtocolError(f"item.id: {m.id!r} is already in the conversation",
-                                        "item.id", ev.event_id)
+        if ev.item.id is not None and ev.item.id in ids:
+            raise RealtimeProtocolError(f"item.id: {ev.item.id!r} is already in the "
+                                        "conversation", "item.id", ev.event_id)
         if ev.previous_item_id is not None and ev.previous_item_id not in ids:
             raise RealtimeProtocolError(f"previous_item_id: no item {ev.previous_item_id!r}",
                                         "previous_item_id", ev.event_id)
+        previous = ev.previous_item_id or (self.items[-1].id if self.items else None)
+        if isinstance(ev.item, FunctionCallItem):
+            c = ev.item
+            await self._add_item(CallItem(c.id or _id("item"), c.call_id, c.name, c.arguments),
+                                 previous)
+            return
+        if isinstance(ev.item, FunctionCallOutputItem):
+            o = ev.item
+            if not any(isinstance(it, CallItem) and it.call_id == o.call_id
+                       for it in self.items):
+                raise RealtimeProtocolError(f"item.call_id: no function_call {o.call_id!r} in "
+                                            "the conversation", "item.call_id", ev.event_id)
+            await self._add_item(CallOutputItem(o.id or _id("item"), o.call_id, o.output),
+                                 previous)
+            return
+        m: MessageItem = ev.item
         parts: list[tuple[str, Any]] = []
         for j, part in enumerate(m.content):
             where = f"item.content[{j}]"
@@ -323,7 +287,6 @@ class RealtimeSession:
         item = Item(m.id or _id("item"), m.role, parts)
         if m.role == "assistant":
             item.transcript = "".join(v for _, v in parts)
-        previous = ev.previous_item_id or (self.items[-1].id if self.items else None)
         await self._add_item(item, previous)
 
     async def _truncate(self, ev: ItemTruncate) -> None:
@@ -377,11 +340,13 @@ class RealtimeSession:
                                         code="response_cancel_not_active")
         await self.cancel_response("client_cancelled")
 
-    def _sampling(self, cfg: SessionConfig, max_tokens: int | str, event_id: str | None):
+    def _sampling(self, cfg: SessionConfig, max_tokens: int | str, event_id: str | None,
+                  structured=None):
         s = cfg.sampling
         top = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                "repetition_penalty": s.repetition_penalty,
-               "max_tokens": None if max_tokens == "inf" else max_tokens}
+               "max_tokens": None if max_tokens == "inf" else max_tokens,
+               "structured_output": structured}  # (a forced call's grammar)
         try:
             return build_sampling(self.state, top, None, s.seed)
         except APIError as e:
@@ -390,17 +355,11 @@ class RealtimeSession:
                                         event_id) from e
 
     def _messages(self, instructions: str | None) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if instructions:
-            out.append({"role": "system", "content": instructions})
-        for it in self.items:
-            if it.role == "assistant":
-                out.append({"role": "assistant", "content": it.transcript})
-                continue
-            parts = [{"type": "text", "text": v} if k == "text" else
-                     {"type": "audio", "audio": v} for k, v in it.parts]
-            out.append({"role": it.role, "content": parts})
-        return out
+        system = instructions
+        if rt_tools.tools_active(self.config):
+            tools = rt_tools.tools_text(self.config)
+            system = f"{instructions}\n\n{tools}" if instructions else tools
+        return rt_tools.render_conversation(self.items, system)
 
     async def _start_response(self, params, event_id: str | None) -> None:
         cfg = self.config
@@ -410,16 +369,21 @@ class RealtimeSession:
             is not None else cfg.max_output_tokens
         instructions = params.instructions if params and params.instructions is not None \
             else cfg.instructions
-        if not any(it.role == "user" for it in self.items):
+        if not any(it.role in ("user", "function_call_output") for it in self.items):
             raise RealtimeProtocolError("response: the conversation has no user item yet",
                                         "response", event_id)
         if modalities == ["audio"] and "audio" not in self.state.output_modalities:
             raise RealtimeProtocolError("response.output_modalities: this model gives text "
                                         "only", "response.output_modalities", event_id)
-        sampling = self._sampling(cfg, max_tokens, event_id)
+        # tool_choice required / a named function: the answer is one call, by grammar
+        forced = rt_tools.forced_output(cfg) if rt_tools.tools_active(cfg) else None
+        sampling = self._sampling(cfg, max_tokens, event_id, forced)
         item = Item(_id("item"), "assistant", [("text", "")], status="in_progress",
-                    audio=modalities == ["audio"])
-        resp = Response(_id("resp"), item, modalities, cfg.audio.output.voice, max_tokens)
+                    audio=modalities == ["audio"] and forced is None)
+        resp = Response(_id("resp"), item, modalities, cfg.audio.output.voice, max_tokens,
+                        forced=forced is not None)
+        if rt_tools.tools_active(cfg):
+            resp.tools = ToolCallStream()
         prompt: dict[str, Any] = {"messages": self._messages(instructions)}
         if resp.voice is not None and item.audio:
             prompt["voice"] = resp.voice
@@ -434,8 +398,8 @@ class RealtimeSession:
 
     def _response_object(self, resp: Response) -> dict[str, Any]:
         details = None
-        if resp.status == "cancelled":
-            details = {"type": "cancelled", "reason": resp.reason}
+        if resp.status in ("cancelled", "incomplete"):
+            details = {"type": resp.status, "reason": resp.reason}
         elif resp.status == "failed":
             details = {"type": "failed", "error": {"type": "server_error",
                                                    "code": "generation_failed",
@@ -443,42 +407,57 @@ class RealtimeSession:
         return {"id": resp.id, "object": "realtime.response", "status": resp.status,
                 "status_details": details, "conversation_id": self.id,
                 "output_modalities": resp.modalities,
-                "output": [resp.item.event_item()] if resp.status != "in_progress" else [],
+                "output": [it.event_item() for it in resp.output_items()]
+                if resp.status != "in_progress" else [],
                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": PCM_RATE},
                                      "voice": resp.voice}},
                 "max_output_tokens": resp.max_output_tokens, "usage": resp.usage}
 
     def _where(self, resp: Response) -> dict[str, Any]:
-        return {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0}
+        return {"response_id": resp.id, "item_id": resp.item.id,
+                "output_index": resp.message_index or 0}
+
+    async def _open_message(self, resp: Response) -> None:
+        """The response's message item (with tools, only once it has something to say)."""
+        if resp.message_index is not None:
+            return
+        item, previous = resp.item, self.items[-1].id if self.items else None
+        resp.message_index = len(resp.calls)
+        await self.send({"type": "response.output_item.added", "response_id": resp.id,
+                         "output_index": resp.message_index, "item": item.event_item()})
+        self.items.append(item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous,
+                         "item": item.event_item()})
+        part = {"type": "audio", "transcript": ""} if item.audio else \
+            {"type": "text", "text": ""}
+        await self.send({"type": "response.content_part.added", **self._where(resp),
+                         "content_index": 0, "part": part})
 
     async def _run(self, resp: Response, prompt: dict[str, Any], sampling) -> None:
         """The response's events and its request; ended by _end (here, or by cancel)."""
         llm, item = self.state.llm, resp.item
         resp.rid = f"realtime-{resp.id}"
-        previous = self.items[-1].id if self.items else None
         try:
             await self.send({"type": "response.created",
                              "response": self._response_object(resp)})
-            await self.send({"type": "response.output_item.added", "response_id": resp.id,
-                             "output_index": 0, "item": item.event_item()})
-            self.items.append(item)
-            await self.send({"type": "conversation.item.added", "previous_item_id": previous,
-                             "item": item.event_item()})
-            part = {"type": "audio", "transcript": ""} if item.audio else \
-                {"type": "text", "text": ""}
-            await self.send({"type": "response.content_part.added", **self._where(resp),
-                             "content_index": 0, "part": part})
+            if resp.tools is None:
+                await self._open_message(resp)
             modalities = ["text", "audio"] if item.audio else ["text"]
             req = await llm.prepare(prompt, sampling, modalities, request_id=resp.rid)
+            resp.submitted.set()  # (llm.run submits it before its first await)
             async for out in llm.run(req):
                 await self._deltas(resp, out)
                 if out.finished:
                     resp.cached_tokens = out.metrics.num_cached_tokens
                     if out.error:
                         resp.status, resp.error = "failed", out.error
-                    resp.usage = self._usage(resp, out)
-                    if not out.error and item.audio:
+                    resp.usage = response_usage(out, self.state.codec_stage)
+                    if not out.error and item.audio and not resp.calls:
                         self.clock.observe(item.audio_samples, item.codes)
+                    if resp.tools is not None and not out.error:
+                        await self._tool_text(resp, resp.tools.finish())
+                        if resp.forced and not resp.calls:  # (cut off before its end)
+                            resp.status, resp.reason = "incomplete", "max_output_tokens"
         except ValueError as e:  # the request was refused (e.g. the conversation is too long)
             resp.status, resp.error = "failed", str(e)
         except RuntimeShutDown:
@@ -497,13 +476,14 @@ class RealtimeSession:
         codec = self.state.codec_stage
         if codec is not None and codec in out.stages:  # (the last output)
             item.codes = len(out.stages[codec].token_ids)
-        if out.text_delta:
-            item.transcript += out.text_delta
-            kind = "response.output_audio_transcript.delta" if item.audio else \
-                "response.output_text.delta"
-            await self.send({"type": kind, **self._where(resp), "content_index": 0,
-                             "delta": out.text_delta})
-        if out.audio is not None and len(out.audio) and item.audio:
+        if out.text_delta and resp.tools is not None:
+            await self._tool_text(resp, resp.tools.feed(out.text_delta))
+        elif out.text_delta:
+            await self._text(resp, out.text_delta)
+        if out.audio is not None and len(out.audio) and item.audio and not (
+                resp.tools is not None and (resp.calls or CALL_OPEN in resp.tools.buffer)):
+            # (with tools, audio stops where a call begins: a call is not said)
+            await self._open_message(resp)
             wave = out.audio
             if out.sample_rate and out.sample_rate != PCM_RATE:
                 wave = resample(wave, out.sample_rate, PCM_RATE)
@@ -513,15 +493,29 @@ class RealtimeSession:
                              "content_index": 0,
                              "delta": base64.b64encode(pcm.tobytes()).decode()})
 
-    def _usage(self, resp: Response, out) -> dict[str, Any]:
-        codes = out.metrics.tokens_per_stage.get(self.state.codec_stage, 0) \
-            if self.state.codec_stage else 0
-        prompt, text = len(out.prompt_token_ids), len(out.token_ids)
-        return {"total_tokens": prompt + text + codes, "input_tokens": prompt,
-                "output_tokens": text + codes,
-                "input_token_details": {"cached_tokens": out.metrics.num_cached_tokens,
-                                        "text_tokens": prompt, "audio_tokens": 0},
-                "output_token_details": {"text_tokens": text, "audio_tokens": codes}}
+    async def _text(self, resp: Response, text: str) -> None:
+        await self._open_message(resp)
+        resp.item.transcript += text
+        kind = "response.output_audio_transcript.delta" if resp.item.audio else \
+            "response.output_text.delta"
+        await self.send({"type": kind, **self._where(resp), "content_index": 0,
+                         "delta": text})
+
+    async def _tool_text(self, resp: Response, deltas: list[dict[str, Any]]) -> None:
+        """The tool parser's output: text for the message, whole calls (chat's deltas: a
+        call's id and name, then its arguments)."""
+        pending: dict[str, Any] | None = None  # a call's id and name, until its arguments
+        for d in deltas:
+            if d.get("content") and not resp.forced:
+                await self._text(resp, d["content"])
+            for c in d.get("tool_calls", []):
+                if "id" in c:
+                    pending = c
+                elif pending is not None:
+                    await rt_tools.send_call(self.send, resp, self.items, pending["id"],
+                                             pending["function"]["name"],
+                                             c["function"]["arguments"])
+                    pending = None
 
     async def cancel_response(self, reason: str) -> None:
         """Abort the response in every stage (AsyncOmniLLM.abort, then the consumer task is
@@ -541,15 +535,29 @@ class RealtimeSession:
         if resp.ended:
             return
         resp.ended = True
+        resp.submitted.set()
         self.response = None
         self.last_response = resp
         self.state.release()
         item = resp.item
         item.status = "completed" if resp.status == "completed" else "incomplete"
-        if resp.status == "cancelled" and item.audio:  # text past the audio sent was not said
-            self._cut_transcript(item, item.audio_samples)
-        if item not in self.items:  # (ended before its item was added)
-            self.items.append(item)
+        if resp.status == "cancelled" and item.audio and not resp.calls:
+            self._cut_transcript(item, item.audio_samples)  # text past the audio: not said
+        if resp.message_index is None and not resp.calls and not resp.forced:
+            if resp.tools is None:  # (cancelled before its item was added)
+                resp.message_index = 0
+                self.items.append(item)
+            elif resp.status != "cancelled":  # (it said nothing and called nothing)
+                await self._open_message(resp)
+        if resp.message_index is not None:
+            await self._message_done(resp)
+        await self.send({"type": "response.done", "response": self._response_object(resp)})
+        log.info("%s: %s %s (%d text tokens, %d audio samples, %d calls, %d cached prompt "
+                 "tokens)", self.id, resp.id, resp.status, len(item.text_ids),
+                 item.audio_samples, len(resp.calls), resp.cached_tokens)
+
+    async def _message_done(self, resp: Response) -> None:
+        item = resp.item
         where = self._where(resp)
         if item.audio:
             await self.send({"type": "response.output_audio.done", **where, "content_index": 0})
@@ -563,12 +571,8 @@ class RealtimeSession:
         await self.send({"type": "response.content_part.done", **where, "content_index": 0,
                          "part": part})
         await self.send({"type": "response.output_item.done", "response_id": resp.id,
-                         "output_index": 0, "item": item.event_item()})
+                         "output_index": where["output_index"], "item": item.event_item()})
         await self.send({"type": "conversation.item.done", "item": item.event_item()})
-        await self.send({"type": "response.done", "response": self._response_object(resp)})
-        log.info("%s: %s %s (%d text tokens, %d audio samples, %d cached prompt tokens)",
-                 self.id, resp.id, resp.status, len(item.text_ids), item.audio_samples,
-                 resp.cached_tokens)
 
     # ------------------------------------------------------------------ close
     async def close(self) -> None:
@@ -583,6 +587,7 @@ class RealtimeSession:
                 resp.task.cancel()
                 await asyncio.gather(resp.task, return_exceptions=True)
             await self._end(resp)
+        await self.transcriber.close()
         self.items.clear()
         self.buffer.clear()
 

@@ -16,6 +16,7 @@ let talking = false, recording = [], responseActive = false, startedAt = 0;
 let bubble = null; // the assistant's live bubble
 let playing = null; // {itemId, parts: [{src, start, dur}]}
 let playHead = 0;
+const userBubbles = new Map(); // user item id -> its bubble (for the input transcription)
 
 function setStatus(text, state) {
   $("status").textContent = text;
@@ -72,9 +73,10 @@ function wavUrl(chunks) {
   return URL.createObjectURL(new Blob([buf], { type: "audio/wav" }));
 }
 
-function addUserTurn(chunks) {
+function addUserTurn(chunks, itemId) {
   const samples = chunks.reduce((a, c) => a + c.length, 0);
   const el = addBubble("user");
+  if (itemId) userBubbles.set(itemId, el);
   const audio = document.createElement("audio");
   audio.controls = true;
   audio.src = wavUrl(chunks);
@@ -110,8 +112,10 @@ function sessionUpdate() {
       },
       output: { voice: $("voice").value || null },
     },
+    // the user's words under their audio: the model transcribes each turn (or not: null)
     output_modalities: $("voice").value ? ["audio"] : ["text"],
   };
+  session.audio.input.transcription = $("transcribe").checked ? { model } : null;
   const instructions = $("instructions").value.trim();
   if (instructions) session.instructions = instructions;
   send({ type: "session.update", session });
@@ -147,7 +151,7 @@ function onEvent(ev) {
       setStatus("Hearing you", "listening");
       break;
     case "input_audio_buffer.committed":
-      if (recording.length) addUserTurn(recording);
+      if (recording.length) addUserTurn(recording, ev.item_id);
       recording = [];
       break;
     case "response.created":
@@ -185,6 +189,20 @@ function onEvent(ev) {
       bubble = null;
       setStatus(mode === "free" ? "Listening" : "Connected", mode === "free" ? "listening" :
                 "connected");
+      break;
+    }
+    case "conversation.item.input_audio_transcription.delta":
+    case "conversation.item.input_audio_transcription.completed": {
+      const el = userBubbles.get(ev.item_id);
+      if (!el) break;
+      let said = el.querySelector(".said");
+      if (!said) {
+        said = document.createElement("p");
+        said.className = "said";
+        el.insertBefore(said, el.firstChild);
+      }
+      said.textContent = ev.type.endsWith("completed") ? ev.transcript
+        : said.textContent + ev.delta;
       break;
     }
     case "conversation.item.truncated":
@@ -333,6 +351,7 @@ $("stop").onclick = stop;
 $("mode-ptt").onclick = () => setMode("ptt");
 $("mode-free").onclick = () => setMode("free");
 $("voice").onchange = () => ws && sessionUpdate();
+$("transcribe").onchange = () => ws && sessionUpdate();
 $("settings-toggle").onclick = () => {
   const s = $("settings");
   s.hidden = !s.hidden;
