@@ -80,6 +80,34 @@ def test_exporting_sequence_hits_only_blocks_with_rows():
     assert len(bm.match_prefix(_seq("y", ids, export=False))) == 2
 
 
+def test_kept_rows_are_capped_least_recently_used_first():
+    bs, width = 4, 6
+    row_block = bs * width * 4  # one block's fp32 rows, in bytes
+    bm = BlockManager(num_blocks=16, block_size=bs, enable_prefix_caching=True,
+                      max_row_bytes=3 * row_block)
+    a, b, c = (list(range(k, k + 8)) for k in (100, 200, 300))  # 2 full blocks each
+    first = _seq("a", a)
+    _run_prefill(bm, first, torch.randn(8, width), [8])
+    bm.release(first)
+    assert len(bm.rows_of) == 2 and bm.row_bytes == 2 * row_block
+    other = _seq("c", c)
+    _run_prefill(bm, other, torch.randn(8, width), [4])  # c's first block: 3 kept, the cap
+    bm.release(other)
+    hit = _seq("a2", a + [1])
+    _run_prefill(bm, hit, torch.randn(9, width), [1])  # a's rows served: now the newest
+    assert hit.num_cached_tokens == 8
+    bm.release(hit)
+    second = _seq("b", b)
+    _run_prefill(bm, second, torch.randn(8, width), [8])  # 2 more: the 2 oldest go (c's, a's 1st)
+    bm.release(second)
+    assert len(bm.rows_of) == 3 and bm.row_bytes == 3 * row_block
+    # an exporting sequence's hits stop at the first block without rows; the KV stays cached
+    assert len(bm.match_prefix(_seq("c2", c[:4] + [9]))) == 0
+    assert len(bm.match_prefix(_seq("a3", a + [9]))) == 0
+    assert len(bm.match_prefix(_seq("a4", a + [9], export=False))) == 2
+    assert len(bm.match_prefix(_seq("b2", b + [9]))) == 2
+
+
 def _speak(text: str) -> np.ndarray:
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (apt-get install -y espeak-ng)")

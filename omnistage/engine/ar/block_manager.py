@@ -34,7 +34,8 @@ def block_hash(parent: bytes, token_ids: list[int], extra: list[tuple[int, bytes
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 max_row_bytes: int | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
@@ -42,8 +43,12 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hit_tokens = 0  # prefix-cache hits, in tokens (metric)
-        # exported hidden rows [block_size, D] of cached blocks, by block hash (module note)
-        self.rows_of: dict[bytes, torch.Tensor] = {}
+        # exported hidden rows [block_size, D] of cached blocks, by block hash (module note),
+        # least recently used first; they live outside the KV cache's memory, so their bytes
+        # are capped (None: no cap): past the cap the oldest go (their blocks keep their KV,
+        # but an exporting sequence's hits stop there)
+        self.rows_of: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.max_row_bytes, self.row_bytes = max_row_bytes, 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,6 +105,8 @@ class BlockManager:
         self.hit_tokens += seq.num_computed_tokens
         if seq.export_hidden and cached:
             hashes = seq.block_hashes[:len(cached)]
+            for h in hashes:
+                self.rows_of.move_to_end(h)  # (recently used: kept longest)
             seq.cached_rows = torch.cat([self.rows_of[h] for h in hashes])
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
@@ -110,7 +117,7 @@ class BlockManager:
             if old is not None:  # evict its cached content
                 if self.hash_to_block.get(old) == b:
                     del self.hash_to_block[old]
-                    self.rows_of.pop(old, None)
+                    self._drop_rows(old)
                 self.hash_of[b] = None
             self.ref_count[b] = 1
             seq.block_table.append(b)
@@ -153,9 +160,18 @@ class BlockManager:
                 h = hashes[b]
                 if h in self.hash_to_block and h not in self.rows_of:
                     # (a copy: a view would keep the whole step's output alive)
-                    self.rows_of[h] = rows[b * bs - start:(b + 1) * bs - start].clone()
+                    kept = rows[b * bs - start:(b + 1) * bs - start].clone()
+                    self.rows_of[h] = kept
+                    self.row_bytes += kept.nbytes
+                    while self.max_row_bytes is not None and self.row_bytes > self.max_row_bytes:
+                        self._drop_rows(next(iter(self.rows_of)))
         lo = max(last * bs, start)
         seq.row_tail = (lo, rows[lo - start:].clone()) if lo < end else None
+
+    def _drop_rows(self, h: bytes) -> None:
+        kept = self.rows_of.pop(h, None)
+        if kept is not None:
+            self.row_bytes -= kept.nbytes
 
     def release(self, seq: Sequence) -> None:
         """Drop the seq's references; blocks at ref 0 become free (cached ones stay reusable).

@@ -24,6 +24,10 @@ from omnistage.engine.ar.scheduler import EngineConfig, Scheduler
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.ar.structured_output import GrammarCache
 
+# the exported hidden rows kept beside cached blocks (block_manager.py) may take at most this
+# share of the KV cache's bytes on top of it
+ROW_CACHE_FRACTION = 0.1
+
 
 @dataclass
 class SequenceUpdate:
@@ -48,8 +52,9 @@ class AREngine:
         self.config, self.tokenizer = config, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.runner = ModelRunner(model, config, device, dtype)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
-                                   config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            max_row_bytes=int(ROW_CACHE_FRACTION * self.runner.kv_cache_bytes))
         self.scheduler = Scheduler(config, self.blocks)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, DetokState] = {}

@@ -79,6 +79,7 @@ class ModelRunner:
         shape = (layers, self.num_blocks + int(use_graphs), config.block_size, n_kv, hd)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache_bytes = 2 * self.k_cache.nbytes
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.uses_mrope = getattr(model.config, "mrope_section", None) is not None
