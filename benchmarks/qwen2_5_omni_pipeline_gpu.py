@@ -608,6 +608,7 @@ async def main_async(args, res: dict, save) -> None:
                        code2wav_window=window, code2wav_dit_dtype=args.code2wav_dtype,
                        code2wav_vocoder_dtype=args.code2wav_vocoder_dtype,
                        code2wav_free_sms=args.code2wav_free_sms,
+                       code2wav_warmup_plan=args.code2wav_warmup_plan,
                        **({"quantization": args.quantization} if args.quantization else {}),
                        **({"gpu_memory_budget": args.gpu_memory_budget}
                           if args.gpu_memory_budget else {}))
@@ -800,6 +801,9 @@ def main() -> None:
                          "(a CUDA green context; default: the pipeline's, auto)")
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
+    ap.add_argument("--code2wav-warmup-plan", default=None, choices=["full", "lazy"],
+                    help="code2wav graphs at load: all (full) or a first request's, the rest "
+                         "in idle gaps (lazy); default: the engine's (full)")
     ap.add_argument("--process-stages", default="",
                     help="comma-separated stages to run in processes of their own")
     ap.add_argument("--device", default=None, help="default: cpu with --small, else cuda")

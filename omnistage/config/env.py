@@ -24,6 +24,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnistage"
 
 
+def compile_cache_dirs() -> tuple[str, str]:
+    """torch.compile's (inductor: FX graphs, autotuning, its Triton kernels) and Triton's
+    caches under cache_dir() unless the user set them: they outlive the process and a reboot
+    (inductor's default is under /tmp). Set before the first compile; stage processes inherit
+    them. Returns (inductor's, Triton's)."""
+    root = cache_dir()
+    inductor = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    triton = os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    return inductor, triton
+
+
 def quiet_tokenizer_threads() -> None:
     """HF tokenizers' own thread pool off unless the user set it (it warns after a fork)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -13,6 +13,7 @@ from omnistage.checkpoint import load_config, resolve_model_path
 from omnistage.config.schema import load_pipeline
 from omnistage.prompts import check_prompt_shape, per_stage_params
 from omnistage.models.registry import check_registered, resolve_pipeline
+from omnistage.layers.compile import persist_compile_caches
 from omnistage.runtime import startup
 from omnistage.runtime.build import resolve_device, resolve_dtype
 from omnistage.runtime.orchestrator import Orchestrator, RuntimeRequest
@@ -50,6 +51,8 @@ class OmniBase:
         check_registered(self.pipeline_config)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cuda":  # before any compile: caches that outlive the process
+            persist_compile_caches()
         if request_timeout is not None and not (isinstance(request_timeout, (int, float))
                                                 and request_timeout > 0):
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
@@ -57,7 +60,7 @@ class OmniBase:
         if overlap is not None and not isinstance(overlap, bool):
             raise ValueError(f"overlap: true, false or None, got {overlap!r}")
         # ray_address: stages placed as Ray actors (runtime/ray_placement.py)
-        engine_options = placement_options(self.pipeline_config, engine_options)
+        engine_options = placement_options(self.pipeline_config, engine_options, pipeline_cls)
         self.pipeline: Pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
         with startup.phase("runtime"):  # (stage processes build their stages in here)

@@ -179,6 +179,15 @@ def cmd_demo(args) -> int:
 
 
 # ---------------------------------------------------------------------------------- serve
+def _ray_address(value: str) -> str:
+    """--ray-address: 'auto' or HOST:PORT (checked before anything loads)."""
+    from omnistage.runtime.ray_placement import check_ray_address
+    try:
+        return check_ray_address(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def cmd_serve(args) -> int:
     from omnistage.entrypoints.async_llm import AsyncOmniLLM
     from omnistage.entrypoints.openai.server import run_server
@@ -200,8 +209,9 @@ def cmd_serve(args) -> int:
         logging.getLogger("omnistage.server").info(
             "serving the embedded tiny random %s %r (noise, for trying out)", family, model)
         model = str(build())
+    ray = {"ray_address": args.ray_address} if args.ray_address else {}
     llm = AsyncOmniLLM(model, request_timeout=args.request_timeout,
-                       prepare_workers=args.prepare_workers, **_engine_kwargs(args))
+                       prepare_workers=args.prepare_workers, **_engine_kwargs(args), **ray)
     if args.warmup:  # before /health answers: the first request runs as fast as the next
         llm.warmup()
     run_server(llm, config, args.host, args.port, log_level=args.log_level,
@@ -249,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default=None, choices=list(env.LOG_LEVELS),
                    help="default: $OMNISTAGE_LOG_LEVEL, else info")
     s.add_argument("--access-log", action="store_true")
+    s.add_argument("--ray-address", type=_ray_address, default=None, metavar="ADDR",
+                   help="place the stages as Ray actors on the cluster at ADDR (HOST:PORT of "
+                   "its head, or 'auto': the one on this machine); each stage's YAML "
+                   "`placement:` picks its node (needs the `ray` extra)")
 
     g = sub.add_parser("generate", help="one request from the shell")
     g.add_argument("model", help="checkpoint directory or hub id")

@@ -382,6 +382,22 @@ class Orchestrator:
                     self._sync_step(name, host)
         if self.inflight:
             self._collect_finished()
+        elif not busy and not any(h.has_work() for h in self.local.values()):
+            self._idle_capture()
+
+    def _idle_capture(self) -> None:
+        """Nothing runs: one graph a lazy warm-up left (engine/gen/worker.idle_capture)."""
+        for name, host in self.local.items():
+            capture = getattr(host.worker, "idle_capture", None)
+            if capture is None:
+                continue
+            try:
+                with on_device(host.worker.device):
+                    if capture():
+                        return
+            except Exception:  # noqa: BLE001 - the shape stays uncaptured (eager/padded)
+                log.exception("stage %s: an idle-time graph capture failed", name)
+                host.worker.lazy = False  # no retry of a failing capture on every pass
 
     def _sync_step(self, name: str, host: StageHost) -> None:
         t0 = time.perf_counter()

@@ -237,6 +237,10 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
     up(("stats", stats()))
     while True:
         # stalled: wait for the upstream rows it is gated on (a pipe message wakes us at once)
+        if (not host.has_work() and getattr(host.worker, "idle_capture", None) is not None
+                and not wait([ctrl, *in_edges.values()], timeout=0)
+                and host.worker.idle_capture()):  # a lazy warm-up's graph, nothing to do
+            continue
         timeout = (0.05 if host.stalled else 0.0) if host.has_work() else 1.0
         for conn in wait([ctrl, *in_edges.values()], timeout=timeout):
             try:

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ log = logging.getLogger("omnistage.runtime")
 MAX_ADDRESS_LEN = 256
 POLL_WAIT_S = 0.05  # an actor's poll returns after this long when it has nothing to report
 CPU = torch.device("cpu")
+DRIVER = "driver"  # the sender id of the orchestrator's messages (one per actor incarnation)
 
 
 def check_ray_address(address: Any) -> str | None:
@@ -67,12 +69,21 @@ def connect(address: str) -> None:
         raise ValueError(f"ray_address: cannot join the Ray cluster at {address!r}: {e}") from e
 
 
-def placement_options(pipeline: Any, options: dict[str, Any]) -> dict[str, Any]:
+def placement_options(pipeline: Any, options: dict[str, Any],
+                      pipeline_cls: type | None = None) -> dict[str, Any]:
     """The constructor's options with `ray_address` taken out: when set, Ray is joined and
     every stage goes on Ray (unless `stage_worker` names another worker); a YAML stage with
-    `worker: ray` needs it (ValueError naming the field)."""
+    `worker: ray` needs it (ValueError naming the field). pipeline_cls: the model's Pipeline
+    class; image (diffusion) pipelines are not placed on Ray (ValueError naming ray_address)."""
     opts = dict(options)
     address = check_ray_address(opts.pop("ray_address", None))
+    if address is not None and pipeline_cls is not None:
+        from omnistage.models.diffusion_pipeline import ImagePipeline
+        if issubclass(pipeline_cls, ImagePipeline):
+            # not built for Ray placement (never tested there): refused, not silently ignored
+            raise ValueError(f"ray_address: {pipeline_cls.family} (diffusion) pipelines run "
+                             "their stages in this process; Ray placement serves omni "
+                             "pipelines (drop --ray-address / ray_address)")
     worker = opts.get("stage_worker")
     if address is None:
         for i, stage in enumerate(pipeline.stages):
@@ -91,7 +102,11 @@ def placement_options(pipeline: Any, options: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------- actor side
 class StageActor:
     """A stage unit on a Ray node: its StageHost stepped by a thread of its own; Ray calls
-    (threaded actor) put control and link data in its inbox and take events out."""
+    (threaded actor) put control and link data in its inbox and take events out.
+
+    NOTE: a threaded actor runs its calls in any order, not in the order they were sent; so
+    every message in carries its sender's id and sequence number, and goes to the inbox in
+    each sender's order (a talker fed thinker rows out of order samples other codes)."""
 
     def __init__(self, spec: StageProcessSpec, out_edges: dict[str, Any]) -> None:
         from omnistage.runtime.process import build_stage_worker
@@ -99,6 +114,12 @@ class StageActor:
             torch.set_num_threads(spec.num_threads)
         self.spec, self.out_edges = spec, dict(out_edges)
         self.inbox: queue.Queue = queue.Queue()
+        self.order_lock = threading.Lock()
+        self.next_seq: dict[str, int] = {}  # per sender: the next message due in the inbox
+        self.held: dict[str, dict[int, tuple]] = {}  # per sender: arrived before their turn
+        # this incarnation's sender id (a re-placed actor's messages count from 0 again)
+        self.sender = f"{spec.unit}@{uuid.uuid4().hex[:12]}"
+        self.out_seq: dict[str, int] = {}  # per downstream actor: the next sequence number
         self.outbox: list[tuple] = []
         self.cond = threading.Condition()
         self.host = StageHost(build_stage_worker(spec), self._deliver)
@@ -115,12 +136,22 @@ class StageActor:
         import ray
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def send(self, msg: tuple) -> None:
-        self.inbox.put(msg)
+    def send(self, sender: str, seq: int, msg: tuple) -> None:
+        self._in_order(sender, seq, msg)
 
-    def data(self, request_id: str, index: int, msg: Any) -> None:
-        """Link data from an upstream actor (resolved from Ray's object store by the call)."""
-        self.inbox.put(("link", request_id, index, msg))
+    def data(self, sender: str, seq: int, request_id: str, index: int, msg: Any) -> None:
+        """Link data from upstream (resolved from Ray's object store by the call)."""
+        self._in_order(sender, seq, ("link", request_id, index, msg))
+
+    def _in_order(self, sender: str, seq: int, msg: tuple) -> None:
+        with self.order_lock:
+            held = self.held.setdefault(sender, {})
+            held[seq] = msg
+            due = self.next_seq.get(sender, 0)
+            while due in held:
+                self.inbox.put(held.pop(due))
+                due += 1
+            self.next_seq[sender] = due
 
     def poll(self, wait_s: float) -> list[tuple]:
         with self.cond:
@@ -142,7 +173,9 @@ class StageActor:
             self._up(("data", downstream, request_id, index, msg))
             return
         import ray
-        actor.data.remote(request_id, index, ray.put(msg))
+        seq = self.out_seq.get(downstream, 0)
+        self.out_seq[downstream] = seq + 1
+        actor.data.remote(self.sender, seq, request_id, index, ray.put(msg))
 
     def _stats(self) -> dict[str, float]:
         return dict(self.host.stats(), steps=self.steps, busy_seconds=self.busy_seconds,
@@ -165,8 +198,9 @@ class StageActor:
         elif kind in ("data", "link"):
             self.link_messages += kind == "link"
             self.host.receive(*msg[1:])
-        elif kind == "relink_out":
+        elif kind == "relink_out":  # a re-placed downstream actor: its count starts again
             self.out_edges[msg[1]] = msg[2]
+            self.out_seq.pop(msg[1], None)
         elif kind == "delay":
             self.delay = float(msg[1])
         elif kind == "stats":
@@ -209,6 +243,12 @@ class StageActor:
             if time.monotonic() - last_stats > STATS_INTERVAL:
                 last_stats = time.monotonic()
                 self._up(("stats", self._stats()))
+        close = getattr(self.host.worker, "close", None)
+        if close is not None:  # stopped: free what outlives requests (a stage's TP ranks)
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the actor goes away regardless
+                log.exception("stage %s: close failed", self.spec.stage)
 
 
 _ACTOR_CLASS: Any = None
@@ -241,9 +281,11 @@ class RayStage:
         self.stats_replies = 0
         self.step_delay = 0.0
         self.node_id: str | None = None
+        self.pid: int | None = None  # the actor's process (on its node)
         self.cause = ""
         self._ready_ref: Any = None
         self._poll_ref: Any = None
+        self._seq = 0  # messages sent to the current actor (it puts them in this order)
 
     def bundle(self) -> dict[str, float]:
         """The placement group bundle of this unit: the stage's `placement:` resources."""
@@ -271,6 +313,7 @@ class RayStage:
             max_concurrency=4, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, 0),
         ).remote(self.spec, handles)
+        self._seq = 0
         self._ready_ref = self.actor.where.remote()
         self._poll_ref = None
         self.ready = self.dead = False
@@ -291,7 +334,11 @@ class RayStage:
         if msg[0] == "relink_out" and isinstance(msg[2], RayStage):
             self.out_edges[msg[1]] = msg[2]
             msg = (msg[0], msg[1], msg[2].actor)
-        self.actor.send.remote(msg)
+        self.actor.send.remote(DRIVER, self._next_seq(), msg)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq - 1
 
     def submit(self, request_id: str, request: Any, links: list) -> None:
         self.send(("submit", request_id, request, links))
@@ -304,7 +351,8 @@ class RayStage:
         if self.dead or self.actor is None:
             return
         import ray
-        self.actor.data.remote(request_id, index, ray.put(move_tensors(msg, CPU)))
+        self.actor.data.remote(DRIVER, self._next_seq(), request_id, index,
+                               ray.put(move_tensors(msg, CPU)))
 
     def set_step_delay(self, seconds: float) -> None:
         self.step_delay = seconds
@@ -323,7 +371,8 @@ class RayStage:
         try:
             if self._ready_ref is not None and ray.wait([self._ready_ref], timeout=0)[0]:
                 where = ray.get(self._ready_ref)
-                self._ready_ref, self.ready, self.node_id = None, True, where["node_id"]
+                self._ready_ref, self.ready = None, True
+                self.node_id, self.pid = where["node_id"], where["pid"]
                 out.append(("ready", where["pid"]))
             if self._poll_ref is None:
                 self._poll_ref = self.actor.poll.remote(POLL_WAIT_S)
@@ -350,6 +399,6 @@ class RayStage:
 
     def stop(self, timeout: float) -> None:
         if self.actor is not None and not self.dead:
-            self.actor.send.remote(("stop",))
+            self.actor.send.remote(DRIVER, self._next_seq(), ("stop",))
         self._release()
         self.dead = True

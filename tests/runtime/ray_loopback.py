@@ -4,8 +4,9 @@ NOTE: `ray start --node-ip-address=127.0.0.1` alone is not enough: Ray 2.60 "res
 127.0.0.1 to the machine's interface address (services.resolve_ip_for_localhost), so its GCS,
 raylets and agents talked over 192.0.2.x. Each node is started by this module's launcher,
 which makes Ray's own address probe answer 127.0.0.1 before it runs `ray start`; the driver
-does the same (`loopback()`) before ray.init. `sockets_off_loopback` checks every TCP socket
-of the cluster's processes (ss -tnp)."""
+does the same (`loopback()`) before ray.init. `ray_sockets` lists every TCP socket
+of the cluster's processes (ss -tnap): with the above, every listener is bound to 127.0.0.1
+(none to the wildcard) and every connection has both ends there."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 OBJECT_STORE_BYTES = 200_000_000  # the least Ray accepts with room for rows and codes
@@ -53,20 +55,26 @@ class LoopbackCluster:
     that run the actors, each `ray start`ed on 127.0.0.1; stopped by pid (never `ray stop`,
     which would stop every Ray on the machine)."""
 
-    def __init__(self, temp_dir: Path, port: int, timeout: float = 60.0) -> None:
-        """temp_dir: short (Ray's unix sockets live under it: paths over 107 bytes fail)."""
+    def __init__(self, temp_dir: Path, port: int, timeout: float = 60.0, num_cpus: int = 0,
+                 resources: dict[str, float] | None = None) -> None:
+        """temp_dir: short (Ray's unix sockets live under it: paths over 107 bytes fail);
+        num_cpus / resources: the head node's (default none but {"head": 1}: GCS only)."""
         self.temp_dir, self.port, self.timeout = temp_dir, port, timeout
         temp_dir.mkdir(parents=True, exist_ok=True)
         self.address = f"127.0.0.1:{port}"
         self.nodes: dict[str, int] = {}  # node name -> its raylet pid
         before = _raylet_pids()
         try:
-            _ray_start(["--head", f"--port={port}", "--num-cpus=0",
-                        f"--temp-dir={temp_dir}", "--resources=" + json.dumps({"head": 1}),
+            _ray_start(["--head", f"--port={port}", f"--num-cpus={num_cpus}",
+                        f"--temp-dir={temp_dir}",
+                        "--resources=" + json.dumps(resources or {"head": 1}),
                         "--system-config=" + json.dumps({
                             # a lost node is declared dead within ~2 s (default ~30 s)
                             "health_check_period_ms": 500, "health_check_timeout_ms": 500,
-                            "health_check_failure_threshold": 3})], temp_dir, timeout)
+                            "health_check_failure_threshold": 3,
+                            # workers at the raylet's priority: Ray's default (nice 15) starves
+                            # the stage actors on a busy machine (minutes to import torch)
+                            "worker_niceness": 0})], temp_dir, timeout)
             self.nodes["head"] = self._new_raylet(before)
         except (RuntimeError, OSError, subprocess.TimeoutExpired):
             self.stop()  # whatever did start
@@ -94,6 +102,19 @@ class LoopbackCluster:
         for child in self._descendants(pid):
             _kill(child)
         _kill(pid)
+
+    def kill_workers(self) -> list[int]:
+        """Every worker process (actors, idle workers; not the GCS, raylets or their agents):
+        a hung call on an actor then fails, while the cluster (and the driver) stay up."""
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                             text=True).stdout
+        ours = self.pids()
+        workers = [int(line.split()[0]) for line in out.splitlines()
+                   if line.split(None, 1)[1].startswith("ray::") and "Agent" not in line
+                   and int(line.split()[0]) in ours]
+        for pid in workers:
+            _kill(pid)
+        return workers
 
     def pids(self) -> set[int]:
         """Every process of the cluster (started from its session directory)."""
@@ -133,18 +154,38 @@ def _kill(pid: int) -> None:
         pass
 
 
-def sockets_off_loopback(pids: set[int]) -> list[str]:
-    """TCP sockets (ss -tnap) of these processes with an address other than loopback."""
-    out = subprocess.run(["ss", "-tnap"], capture_output=True, text=True).stdout
-    bad = []
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    state: str  # ss's: ESTAB, LISTEN, TIME-WAIT, ...
+    local: str
+    peer: str
+    line: str
+
+    @staticmethod
+    def host(addr: str) -> str:
+        return addr.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:").split("%")[0]
+
+    @property
+    def local_loopback(self) -> bool:
+        return self.host(self.local) in LOOPBACK
+
+    @property
+    def peer_loopback(self) -> bool:
+        return self.host(self.peer) in LOOPBACK
+
+
+
+def ray_sockets(pids: set[int]) -> list[TcpSocket]:
+    """Every TCP socket (ss -tnap: listening and connected) owned by one of these processes."""
+    out = subprocess.run(["ss", "-tnap"], capture_output=True, text=True, timeout=10,
+                         check=True).stdout
+    found = []
     for line in out.splitlines()[1:]:
         owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
-        if not owners & pids:
-            continue
-        cols = line.split()
-        for addr in cols[3:5]:
-            host = addr.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
-            if host not in ("127.0.0.1", "::1", "0.0.0.0", "*", "::"):
-                bad.append(line)
-                break
-    return bad
+        if owners & pids:
+            cols = line.split()
+            found.append(TcpSocket(cols[0], cols[3], cols[4], line))
+    return found

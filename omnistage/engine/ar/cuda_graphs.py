@@ -34,7 +34,9 @@ replay reruns the function), on any device: the CPU tests exercise the graph pat
 from __future__ import annotations
 
 import gc
+from collections import deque
 from collections.abc import Callable
+import time
 import warnings
 import weakref
 from typing import Any
@@ -138,6 +140,21 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+# lazy warm-up: batch sizes up to this are captured at load (a first burst of requests)
+LAZY_LOAD_SIZE = 4
+
+
+def decode_capture_plan(sizes: list[int], lazy: bool, load_size: int = LAZY_LOAD_SIZE
+                        ) -> tuple[list[int], list[int]]:
+    """Decode batch sizes -> (captured at load, captured later one per idle gap, in order).
+    full: every size at load; lazy: the sizes up to load_size (at least the smallest) at load,
+    the others later, smallest first (concurrency ramps up)."""
+    if not lazy:
+        return list(sizes), []
+    now = [b for b in sizes if b <= load_size] or list(sizes[:1])
+    return now, [b for b in sizes if b not in now]
+
+
 def graphs_enabled(mode: str, device: torch.device) -> bool:
     """Whether decode steps take the graph path (mode: EngineConfig.cuda_graphs): "auto" on a
     CUDA device with the Triton attention, "eager" (uncaptured) on any device."""
@@ -234,6 +251,12 @@ class DecodeGraphs:
         # captures and their warm-up runs: streams of this runner's own (see private_stream)
         self.capture_stream = private_stream(device) if self.capture else None
         self.warm_stream = private_stream(device) if self.capture else None
+        # lazy warm-up (warmup(lazy=True)): sizes queued for capture_next(); until captured, a
+        # step of such a size replays a captured larger size or runs eagerly (no capture)
+        self.lazy = False
+        self.later: deque[int] = deque()
+        self.later_plan: tuple[bool, list] = (False, [])  # (additive rows, head flag sets)
+        self.captured_later, self.later_seconds = 0, 0.0
         event = torch.cuda.Event if cuda else _HostEvent
         self.copied = [event(), event()]  # the input copy has read host[i]
         self.sampled = [event(), event()]  # tokens_host[i] holds the run's ids
@@ -412,9 +435,9 @@ class DecodeGraphs:
         the ids. ahead=1: the previous run (same sequences, same rows) has not been collected;
         its sampled ids are this step's input ids."""
         n = len(seqs)
-        B = self.padded_size(n)
         has_e = any(e is not None for e in embeds_rows)
         has_a = any(a is not None for a in add_rows)
+        B = self.step_size(n, has_e, has_a)
         self._ensure_row_buffers(embeds_rows, add_rows)
         run, k = self.num_runs, self.num_runs % 2
         self.num_runs += 1
@@ -429,7 +452,10 @@ class DecodeGraphs:
             self.before_forward(self, count, B, embeds_rows, add_rows)
         key = (B, has_e, has_a)
         fwd = self.graphs.get(key)
-        if fwd is None:
+        if fwd is None and self._pending(B, has_a) and self.hidden is not None:
+            # lazy: its capture waits for an idle gap; this step runs the same code eagerly
+            fwd = _EagerGraph(lambda warm: self._forward(B, has_e, has_a, warm), None)
+        elif fwd is None:
             if has_e:  # warm-up rows: not the stale ones of an earlier step
                 self.embeds_mask[:B].zero_()
             if has_a:
@@ -489,33 +515,89 @@ class DecodeGraphs:
                 out = head.out[:n]
         return out
 
-    def warmup(self, additive_width: int | None, flag_sets) -> None:
+    def step_size(self, n: int, has_e: bool = False, has_a: bool = False) -> int:
+        """The batch size a step of n rows runs at: the smallest size >= n; lazy, while that
+        size waits for its capture, the smallest captured larger one (its padding rows write
+        into the dummy block), else that size eagerly."""
+        B = self.padded_size(n)
+        if not self._pending(B, has_a):
+            return B
+        return next((s for s in self.sizes if s > B and (s, has_e, has_a) in self.graphs
+                     and not self._pending(s, has_a)), B)
+
+    def _pending(self, B: int, has_a: bool | None = None) -> bool:
+        # a size the lazy warm-up queued (its forward with these additive rows or its heads)
+        return bool(self.later) and B in self.later and (
+            has_a is None or has_a == self.later_plan[0])
+
+    def pending_captures(self) -> int:
+        """Sizes a lazy warm-up left for capture_next()."""
+        return len(self.later)
+
+    def capture_next(self) -> int | None:
+        """Capture the next queued size's forward and head graphs (None: none left). Call it
+        on the stage's thread with no step in flight and no head deferred: the warm-up runs
+        rewrite the static input rows."""
+        if not self.later or self.deferred is not None:
+            return None
+        t0 = time.perf_counter()
+        B = self.later[0]
+        with torch.inference_mode():
+            self._prepare_capture(self.later_plan[0])
+            self.later.popleft()  # (before the capture: a failed one is not retried)
+            self._capture_size(B, *self.later_plan)
+        self.captured_later += 1
+        self.later_seconds += time.perf_counter() - t0
+        return B
+
+    def _prepare_capture(self, has_a: bool) -> None:
+        # every row padding (the dummy block, the scratch sampler slot) for the warm-up runs
+        for ev in self.copied:
+            ev.synchronize()
+        for h in self.host_np:
+            self._fill_padding(h, 0)
+        self.dev.copy_(self.host[0])
+
+    def _capture_size(self, B: int, has_a: bool, flag_sets) -> None:
+        key = (B, False, has_a)
+        if key not in self.graphs:
+            if has_a:
+                self.additive[:B].zero_()
+            self.graphs[key] = self.capture_graph(
+                lambda warm, B=B: self._forward(B, False, has_a, warm))
+        for flags in flag_sets:
+            self._get_head(B, flags)
+
+    def warmup(self, additive_width: int | None, flag_sets, lazy: bool = False,
+               load_size: int = LAZY_LOAD_SIZE) -> None:
         """Capture every batch size's forward graph (with additive rows of this width, or none)
         and its head graphs for these SamplingFlags now: at first use a size would stall the
-        step for its Triton warm-up and capture (~1-2 s at 7B)."""
+        step for its Triton warm-up and capture (~1-2 s at 7B). lazy: only sizes up to
+        load_size now, the others queued for capture_next() (decode_capture_plan).
+
+        NOTE: tensor parallel (before_forward set) captures every size now: each rank
+        captures a key when rank 0's step first uses it, and rank 0 alone would know the
+        queue."""
         has_a = additive_width is not None
         if not self.capture:
             return
+        lazy = lazy and self.before_forward is None
+        now, later = decode_capture_plan(self.sizes, lazy, load_size)
         if has_a and self.additive is None:
             self.additive = torch.zeros(self.max_size, additive_width, dtype=self.dtype,
                                         device=self.device)
-        for ev in self.copied:
-            ev.synchronize()
-        for h in self.host_np:  # every row padding: the dummy block, the scratch sampler slot
-            self._fill_padding(h, 0)
-        self.dev.copy_(self.host[0])
-        for B in self.sizes:
-            key = (B, False, has_a)
-            if key not in self.graphs:
-                if has_a:
-                    self.additive[:B].zero_()
-                self.graphs[key] = self.capture_graph(
-                    lambda warm, B=B: self._forward(B, False, has_a, warm))
-            for flags in flag_sets:
-                self._get_head(B, flags)
+        self._prepare_capture(has_a)
+        self.later.clear()
+        for B in now:
+            self._capture_size(B, has_a, flag_sets)
+        self.lazy = self.lazy or lazy
+        self.later_plan = (has_a, list(flag_sets))
+        self.later.extend(later)
 
     def _get_head(self, B: int, flags, L: int = 0) -> _Graph | _EagerGraph | None:
         key = (B, flags, L)
+        if key not in self.heads and self._pending(B):  # lazy, not captured yet: eagerly
+            return _EagerGraph(lambda warm: self._head(B, flags, L, warm), None)
         if L and self.lp_out is None:
             W = 1 + 2 * self.lp_k
             self.lp_out = torch.zeros(self.max_size, W, device=self.device)

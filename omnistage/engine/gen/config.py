@@ -34,7 +34,11 @@ class GenEngineConfig:
     first outputs going between two parts (0: whole steps; None: 3 on CUDA, 0 elsewhere).
     free_sms: SMs a step `beside` other stages leaves to them (a CUDA green context; 0 = off;
     "auto" = a quarter of the GPU's in multiples of 8, 0 without graphs or green contexts).
-    warmup: capture the model's graphs when the worker is built (None: on for CUDA)."""
+    warmup: capture the model's graphs when the worker is built (None: on for CUDA).
+    warmup_plan: "full" = every graph at that warm-up; "lazy" = only those a first request
+    needs (batch 1), the others captured one per idle gap of the stage, on its own thread,
+    while steps needing one not captured yet run on a larger captured bucket or eagerly
+    (models without lazy capture, GenModel.capture_next, capture everything)."""
 
     max_batch: int = MAX_BATCH
     cuda_graphs: Literal["auto", "off"] = "auto"
@@ -44,6 +48,7 @@ class GenEngineConfig:
     preempt_parts: int | None = None
     free_sms: int | Literal["auto"] = "auto"
     warmup: bool | None = None
+    warmup_plan: Literal["full", "lazy"] = "full"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) \
@@ -58,6 +63,8 @@ class GenEngineConfig:
         p = self.preempt_parts
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 0):
             raise ValueError(f"preempt_parts: an int >= 0 or None, got {p!r}")
+        if self.warmup_plan not in ("full", "lazy"):
+            raise ValueError(f"warmup_plan: 'full' or 'lazy', got {self.warmup_plan!r}")
         s = self.free_sms
         if s != "auto" and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
             raise ValueError(f"free_sms: an int >= 0 or 'auto', got {s!r}")
@@ -83,7 +90,7 @@ ENGINE_KEYWORDS = {"code2wav_max_batch": "max_batch", "code2wav_cuda_graphs": "c
                    "code2wav_compile": "compile", "code2wav_launch_thread": "launch_thread",
                    "code2wav_first_alone": "first_output_alone",
                    "code2wav_preempt": "preempt_parts", "code2wav_free_sms": "free_sms",
-                   "code2wav_warmup": "warmup"}
+                   "code2wav_warmup": "warmup", "code2wav_warmup_plan": "warmup_plan"}
 
 
 def pop_stage_options(opts: dict[str, Any], model_cls: type, model_keywords: dict[str, str],

@@ -110,7 +110,13 @@ class GenModel(Protocol):
         batch order; None: no event for that row this step."""
 
     def warmup(self, buckets: tuple[int, ...] | None = None) -> None:
-        """Capture the graphs of these batch buckets (default: all) now."""
+        """Capture the graphs of these batch buckets (default: all) now.
+
+        Lazy capture (optional, GenEngineConfig.warmup_plan="lazy"): a model that also has
+        `warmup(buckets, lazy=True)` (capture only what first requests need now, queue the
+        rest), `pending_captures() -> int` and `capture_next()` (capture one queued graph; on
+        the stage's own thread, between steps) gets its queued graphs captured one per idle
+        gap of the worker."""
 
     def drop_jobs(self) -> None:
         """Forget unfinished jobs (their stage failed): their shapes serve steps again."""

@@ -9,6 +9,7 @@ raised), and launch() / collect() when it overlaps the stages' GPU work."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,10 @@ from omnistage.engine.gen.config import MAX_BATCH, GenEngineConfig
 from omnistage.engine.gen.graphs import BUCKETS, bucket_for
 from omnistage.engine.gen.model import GenModel, GenRequest
 from omnistage.engine.step import LaunchedStep, StageEvent, StageStream
+from omnistage.layers.compile import persist_compile_caches
+from omnistage.runtime import startup
+
+log = logging.getLogger("omnistage.engine.gen")
 
 Ready = list[tuple[str, GenRequest]]
 
@@ -64,16 +69,35 @@ class GenStageWorker:
         # one worker: the orchestrator never launches this stage again before collecting it
         self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
                          if self.config.launch_thread else None)
+        # warmup_plan="lazy": the model queues graphs that idle gaps capture (_capture_idle)
+        self.lazy = self.config.warmup_plan == "lazy" and hasattr(self.model, "capture_next")
+        self.idle_captures = 0
+        if device.type == "cuda":  # compiled kernels outlive the process (a warm start)
+            persist_compile_caches()
         if self.config.warmup:
-            self.warmup()
+            with startup.phase("graphs"):
+                self.warmup(lazy=self.lazy)
 
-    def warmup(self, buckets: tuple[int, ...] | None = None) -> None:
+    def warmup(self, buckets: tuple[int, ...] | None = None, lazy: bool = False) -> None:
         """Capture the model's graphs of these batch buckets (default: those a batch of at most
-        max_batch rows uses) now."""
+        max_batch rows uses) now; lazy: only those first requests need, the rest one per idle
+        gap of this worker (a model without lazy capture captures them all)."""
         if buckets is None and self.max_batch < MAX_BATCH:  # no graph (pool) for larger ones
             top = bucket_for(self.max_batch, BUCKETS)
             buckets = tuple(b for b in BUCKETS if b <= top)
-        self.model.warmup(buckets)
+        if lazy and hasattr(self.model, "capture_next"):
+            self.model.warmup(buckets, lazy=True)
+        else:
+            self.model.warmup(buckets)
+
+    def captures_pending(self) -> int:
+        """Graphs a lazy warm-up left for idle gaps (0 without lazy capture)."""
+        return self.model.pending_captures() if self.lazy else 0
+
+    def _idle(self) -> bool:
+        # nothing to run now: no step in parts, no request ready (the runtime collected this
+        # stage's last launch before calling launch again, so none is in flight either)
+        return self.job is None and not any(self._ready(r) for r in self.requests.values())
 
     # ---------------------------------------------------------------- requests
     def submit(self, request_id: str, request: Any) -> None:
@@ -154,6 +178,29 @@ class GenStageWorker:
         pending = self.launcher.submit(self._queue_run, batch, gpu, end)
         return LaunchedStep((ready, None, False), events, start, end, time.perf_counter() - t0,
                             exclusive=alone, pending=pending)
+
+    def idle_capture(self) -> bool:
+        """One graph a lazy warm-up queued, captured now (True) if any is left and this stage
+        is idle. The runtime calls it only when no stage of the process has work, on its own
+        thread.
+
+        NOTE (why not in the background): capturing a new shape compiles it, and torch.compile's
+        FX tracing patches nn.Module.__call__ for the whole process while it traces: a stage
+        running a module on another thread meanwhile fails ("FX to symbolically trace a
+        dynamo-optimized function": a talker step on the H200). So the capture waits until
+        nothing else runs, and a request arriving meanwhile waits for this one graph."""
+        if not (self.lazy and self.captures_pending() and self._idle()):
+            return False
+        self.idle_captures += 1
+        self._capture_one()
+        return True
+
+    def _capture_one(self) -> None:
+        t0 = time.perf_counter()
+        key = self.model.capture_next()
+        if key is not None:
+            log.debug("%s: captured %s in an idle gap (%.2f s; %d left)", self.name, key,
+                      time.perf_counter() - t0, self.model.pending_captures())
 
     def _count_step(self, size: int) -> None:
         self.last_batch, self.max_batch_seen = size, max(self.max_batch_seen, size)
@@ -294,4 +341,5 @@ class GenStageWorker:
                 "chunks": self.num_chunks, "steps": self.num_steps,
                 "shared_steps": self.shared_steps,
                 "alone_steps": self.alone_steps, "preempt_intervals": self.preempt,
-                "busy_seconds": self.busy_seconds, **self.model.stats()}
+                "busy_seconds": self.busy_seconds, "idle_captures": self.idle_captures,
+                **self.model.stats()}

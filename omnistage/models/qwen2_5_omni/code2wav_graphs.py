@@ -20,8 +20,9 @@ On the CPU the same padding code runs, with no graphs (batch padding only when a
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
 from .token2wav import Qwen2_5OmniToken2Wav
 from .voices import MAX_VOICES
 
-__all__ = ["BUCKETS", "DecodeJob", "Qwen2_5OmniCode2WavDecoder", "bucket_for",
+__all__ = ["BUCKETS", "DecodeJob", "Qwen2_5OmniCode2WavDecoder", "bucket_for", "capture_plan",
            "vocoder_lengths", "window_widths"]
 
 # windows wider than this (e.g. whole-utterance windows) are not padded; 672 = 28 blocks holds a
@@ -76,6 +77,45 @@ def vocoder_lengths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tupl
     ov_future = min(config.vocoder_overlap_frames, config.future_blocks * block)
     return tuple(sorted({ov_past + config.chunk_blocks * block + ov_future,
                          config.first_blocks * block + ov_future}))
+
+
+GraphKey = tuple  # ("dit", bucket, width, beside) or ("vocoder", bucket, length)
+
+
+def full_window_width(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
+    """A later chunk's DiT window (frames): past, chunk and future blocks."""
+    return (config.past_blocks + config.future_blocks
+            + max(config.chunk_blocks, config.first_blocks)) * block
+
+
+def capture_plan(config: Qwen2_5OmniCode2WavStreamConfig, block: int, buckets: tuple[int, ...],
+                 max_graph_frames: int = MAX_GRAPH_FRAMES, beside_min_bucket: int | None = None,
+                 lazy: bool = False) -> tuple[list[GraphKey], list[GraphKey]]:
+    """The graphs of a stream config -> (captured at load, captured later while idle), each in
+    capture order. beside_min_bucket: the smallest bucket with a `beside` DiT graph of its own
+    (None: no such graphs, free_sms off).
+
+    full: everything at load. lazy: at load only what a first request needs, batch 1: chunk 0's
+    width, the full window (its later chunks) and the vocoder's spans; later, bucket by bucket
+    upwards (concurrency ramps up), in each the widths a step most often needs first (chunk 0's,
+    the full window, the vocoder's spans, then the last chunks' half and quarter widths, then
+    the beside variants)."""
+    first, full = first_window_width(config, block), full_window_width(config, block)
+    widths = [w for w in window_widths(config, block) if w <= max_graph_frames]
+    main = [w for w in (first, full) if w in widths]
+    rest = [w for w in widths if w not in main]
+    order: list[GraphKey] = []
+    for b in buckets:
+        order += [("dit", b, w, False) for w in main]
+        order += [("vocoder", b, n) for n in vocoder_lengths(config, block)]
+        order += [("dit", b, w, False) for w in rest]
+        if beside_min_bucket is not None and b >= beside_min_bucket:
+            order += [("dit", b, w, True) for w in widths if w != first]
+    if not lazy:
+        return order, []
+    now = {("dit", buckets[0], w, False) for w in main}
+    now |= {("vocoder", buckets[0], n) for n in vocoder_lengths(config, block)}
+    return [k for k in order if k in now], [k for k in order if k not in now]
 
 
 @contextmanager
@@ -173,6 +213,11 @@ class Qwen2_5OmniCode2WavDecoder:
         # (bucket, width, beside) -> graph; beside: on the SMs free_sms leaves (see NOTE)
         self.dit_graphs: dict[tuple[int, int, bool], SegmentGraph] = {}
         self.voc_graphs: dict[tuple[int, int], SegmentGraph] = {}
+        # lazy warm-up (warmup(lazy=True)): graphs not captured yet run on a captured larger
+        # bucket or eagerly, never captured inside a step; capture_next() takes them in order
+        self.lazy = False
+        self.later: deque[GraphKey] = deque()
+        self.later_captured, self.later_seconds = 0, 0.0
 
     # the graph services' state, by the names the decoder has always shown
     use_graphs = property(lambda self: self.graphs.enabled)
@@ -294,6 +339,29 @@ class Qwen2_5OmniCode2WavDecoder:
             self.dit_graphs[key] = g
         return g
 
+    def dit_target(self, bucket: int, width: int, beside: bool = False
+                   ) -> tuple[int, int, bool] | None:
+        """The DiT graph key that runs a (bucket, width, beside) batch; None: eagerly. Host
+        logic only. Not lazy: its own key (captured on first use, if need be). Lazy: its own
+        key if captured, else (beside) the same shape on every SM, else the smallest captured
+        larger bucket of that width (padding rows are masked out: the same rows' results)."""
+        key = self._key(bucket, width, beside)
+        if not self.lazy or key in self.dit_graphs:
+            return key
+        for b in (b for b in self.buckets if b >= bucket):
+            for side in dict.fromkeys((beside, False)):
+                k = self._key(b, width, side)
+                if k in self.dit_graphs:
+                    return k
+        return None
+
+    def voc_target(self, bucket: int, length: int) -> tuple[int, int] | None:
+        """The vocoder graph key of a (bucket, length) batch (as dit_target); None: eagerly."""
+        if not self.lazy or (bucket, length) in self.voc_graphs:
+            return bucket, length
+        return next(((b, length) for b in self.buckets
+                     if b >= bucket and (b, length) in self.voc_graphs), None)
+
     def _dit_interval(self, g: SegmentGraph, i: int) -> torch.Tensor:
         # interval i of g's ODE; the first begins it (its captured run leaves g.state in the
         # graph pool, where the later intervals' graphs read and write it)
@@ -330,9 +398,10 @@ class Qwen2_5OmniCode2WavDecoder:
         mels: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for idx, bucket, width in self.plan(widths, config):
             part = [rows[i] for i in idx]
-            if self.use_graphs and width <= self.max_graph_frames:
-                g = self.dit_graph(bucket, width, beside)
-                self.graphs.claim(self._key(bucket, width, beside), None)
+            target = self._graphed(bucket, width, beside)
+            if target is not None:
+                g = self.dit_graph(*target)
+                self.graphs.claim(self._key(*target), None)
                 self.fill_dit_inputs(g.inputs, part)
                 g.replay()
                 out = g.output
@@ -367,8 +436,10 @@ class Qwen2_5OmniCode2WavDecoder:
                 part = idx[c:c + self.buckets[-1]]
                 ins = [mels[i][spans[i].vocoder[0] - spans[i].window[0]:
                                spans[i].vocoder[1] - spans[i].window[0]].T for i in part]
-                if length in graphed:
-                    g = self.voc_graph(self.graphs.bucket(len(part)), length)
+                target = (self.voc_target(self.graphs.bucket(len(part)), length)
+                          if length in graphed else None)
+                if target is not None:
+                    g = self.voc_graph(*target)
                     for j, m in enumerate(ins):
                         g.inputs["mel"][j].copy_(m)
                     g.replay()
@@ -412,9 +483,10 @@ class Qwen2_5OmniCode2WavDecoder:
         widths = [w1 - w0 for w0, w1 in (sp.window for sp in spans)]
         (_, bucket, width), = self.plan(widths, config)
         with self._on_device():
-            if self.use_graphs and width <= self.max_graph_frames:
-                g = self.dit_graph(bucket, width, beside)
-                job = DecodeJob(rows, config, spans, self._key(bucket, width, beside), g)
+            target = self._graphed(bucket, width, beside)
+            if target is not None:
+                g = self.dit_graph(*target)
+                job = DecodeJob(rows, config, spans, self._key(*target), g)
                 self.graphs.claim(job.key, job)
                 self.fill_dit_inputs(g.inputs, rows)
                 return job
@@ -447,7 +519,8 @@ class Qwen2_5OmniCode2WavDecoder:
             x = job.graph.state.x if job.graph is not None else job.state.x
             mels = [x[j, :w1 - w0].clone() for j, (w0, w1) in
                     enumerate(sp.window for sp in job.spans)]
-            self.graphs.release(job.key)
+            if job.graph is not None:  # (an eager job holds no shape)
+                self.graphs.release(job.key)
             wavs = self.vocode(job.spans, mels, job.config)
         return assemble_chunks(self.model, job.requests, job.spans, mels, wavs)
 
@@ -459,12 +532,20 @@ class Qwen2_5OmniCode2WavDecoder:
             return False
         config = requests[0][0].config
         widths = [w1 - w0 for w0, w1 in (s.span(k).window for s, k in requests)]
-        return any(self.graphs.is_held(self._key(bucket, width, beside))
-                   for _, bucket, width in self.plan(widths, config))
+        # (the routing of _graphed, whether or not graphs are on: held shapes are graphed)
+        targets = (self.dit_target(bucket, width, beside) if width <= self.max_graph_frames
+                   else None for _, bucket, width in self.plan(widths, config))
+        return any(t is not None and self.graphs.is_held(self._key(*t)) for t in targets)
 
     def drop_jobs(self) -> None:
         """Forget unfinished jobs (their stage failed): their DiT shapes serve decodes again."""
         self.graphs.drop_held()
+
+    def _graphed(self, bucket: int, width: int, beside: bool) -> tuple[int, int, bool] | None:
+        # the graph that runs this DiT batch, None: eagerly (no graphs, too wide, lazy)
+        if not self.use_graphs or width > self.max_graph_frames:
+            return None
+        return self.dit_target(bucket, width, beside)
 
     def _key(self, bucket: int, width: int, beside: bool) -> tuple[int, int, bool]:
         # below BESIDE_MIN_BUCKET the DiT's small kernels leave SMs idle anyway: every SM
@@ -484,25 +565,55 @@ class Qwen2_5OmniCode2WavDecoder:
 
     @torch.inference_mode()
     def warmup(self, config: Qwen2_5OmniCode2WavStreamConfig,
-               buckets: tuple[int, ...] | None = None) -> None:
-        """Capture the graphs of these buckets (default: all) for this stream config now."""
+               buckets: tuple[int, ...] | None = None, lazy: bool = False) -> None:
+        """Capture the graphs of these buckets (default: all) for this stream config now; lazy:
+        only those of a first request (capture_plan), the rest queued for capture_next()."""
         if not self.use_graphs:
             return
+        sizes = tuple(sorted({self.graphs.bucket(b) for b in buckets or self.buckets}))
+        beside = BESIDE_MIN_BUCKET if self.free_sms > 0 else None
+        now, later = capture_plan(config, self.block, sizes, self.max_graph_frames, beside, lazy)
+        self.lazy = self.lazy or lazy
         with self._on_device():
-            self._warmup(config, buckets)
+            for key in now:
+                self._capture(key)
+        self.later = deque(k for k in later if not self.captured(k))
 
-    def _warmup(self, config: Qwen2_5OmniCode2WavStreamConfig,
-                buckets: tuple[int, ...] | None) -> None:
-        for b in buckets or self.buckets:
-            for w in window_widths(config, self.block):
-                if w <= self.max_graph_frames:
-                    self.dit_graph(self.graphs.bucket(b), w)
-                    if w != first_window_width(config, self.block):  # later chunks' widths
-                        self.dit_graph(self.graphs.bucket(b), w, beside=True)
-            for length in vocoder_lengths(config, self.block):
-                self.voc_graph(self.graphs.bucket(b), length)
+    def captured(self, key: GraphKey) -> bool:
+        if key[0] == "dit":
+            return self._key(*key[1:]) in self.dit_graphs
+        return key[1:] in self.voc_graphs
+
+    def _capture(self, key: GraphKey) -> None:
+        if key[0] == "dit":
+            self.dit_graph(*key[1:])
+        else:
+            self.voc_graph(*key[1:])
+
+    def pending_captures(self) -> int:
+        """Graphs queued by a lazy warm-up that capture_next() has not taken yet."""
+        return len(self.later)
+
+    @torch.inference_mode()
+    def capture_next(self) -> GraphKey | None:
+        """Capture the next queued graph (None: none left): one graph, seconds at most with its
+        compile. Call it on the thread that runs this decoder's steps, between steps (no job
+        in progress): a capture must not interleave with the steps' graphs on this decoder."""
+        while self.later and self.captured(self.later[0]):
+            self.later.popleft()
+        if not self.later or self._live:
+            return None
+        key = self.later.popleft()  # (taken first: a capture that raised is not retried)
+        t0 = time.perf_counter()
+        with self._on_device():
+            self._capture(key)
+        self.later_captured += 1
+        self.later_seconds += time.perf_counter() - t0
+        return key
 
     def stats(self) -> dict[str, float]:
         """Graph counts and the graph services' times and pool memory (GraphCache.stats)."""
         return {"dit_graphs": len(self.dit_graphs), "vocoder_graphs": len(self.voc_graphs),
-                "compiled": self.compile, **self.graphs.stats()}
+                "compiled": self.compile, "captures_pending": len(self.later),
+                "captured_later": self.later_captured,
+                "captured_later_seconds": round(self.later_seconds, 3), **self.graphs.stats()}

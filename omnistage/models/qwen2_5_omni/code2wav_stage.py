@@ -80,9 +80,15 @@ class Qwen2_5OmniCode2WavModel:
             self._decoder = Qwen2_5OmniCode2WavDecoder(self.model, **self.decoder_options)
         return self._decoder
 
-    def warmup(self, buckets: tuple[int, ...] | None = None) -> None:
+    def warmup(self, buckets: tuple[int, ...] | None = None, lazy: bool = False) -> None:
         if self.stream_config is not None:
-            self.decoder.warmup(self.stream_config, buckets)
+            self.decoder.warmup(self.stream_config, buckets, lazy)
+
+    def pending_captures(self) -> int:
+        return 0 if self._decoder is None else self._decoder.pending_captures()
+
+    def capture_next(self) -> object | None:
+        return None if self._decoder is None else self._decoder.capture_next()
 
     # ---------------------------------------------------------------- requests
     def new_state(self, request: Code2WavRequest) -> Code2WavRequest:
