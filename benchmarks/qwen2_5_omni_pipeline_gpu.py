@@ -609,6 +609,8 @@ async def main_async(args, res: dict, save) -> None:
                        code2wav_vocoder_dtype=args.code2wav_vocoder_dtype,
                        code2wav_free_sms=args.code2wav_free_sms,
                        code2wav_warmup_plan=args.code2wav_warmup_plan,
+                       **({"graph_warmup_plan": args.graph_warmup_plan}
+                          if args.graph_warmup_plan else {}),
                        **({"quantization": args.quantization} if args.quantization else {}),
                        **({"gpu_memory_budget": args.gpu_memory_budget}
                           if args.gpu_memory_budget else {}))
@@ -801,6 +803,9 @@ def main() -> None:
                          "(a CUDA green context; default: the pipeline's, auto)")
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
+    ap.add_argument("--graph-warmup-plan", default=None, choices=["full", "lazy"],
+                    help="the AR stages' decode graphs: every batch size at load (full, the "
+                         "default) or sizes <= 4, the rest in idle passes (lazy)")
     ap.add_argument("--code2wav-warmup-plan", default=None, choices=["full", "lazy"],
                     help="code2wav graphs at load: all (full) or a first request's, the rest "
                          "in idle gaps (lazy); default: the engine's (full)")

@@ -36,6 +36,7 @@ class EngineOptions(_Strict):
     cuda_graphs: Literal["auto", "off", "eager"] | None = None
     prefill_graphs: bool | None = None
     graph_warmup: bool | None = None
+    graph_warmup_plan: Literal["full", "lazy"] | None = None
     compile: bool | None = None
     async_scheduling: bool | None = None
     fast_sampler: bool | None = None

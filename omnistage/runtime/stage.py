@@ -153,6 +153,12 @@ class ARStageWorker:
     def request_ids(self) -> list[str]:
         return list(self.engine.seqs)
 
+    def idle_capture(self) -> bool:
+        """One decode graph a lazy warm-up queued (EngineConfig.graph_warmup_plan), captured
+        now (True). The runtime calls it only when no stage has work (see
+        engine/gen/worker.idle_capture for why not beside other stages)."""
+        return not self.engine.has_unfinished() and self.engine.runner.idle_capture()
+
     def close(self) -> None:
         """The runtime stopped: stop the stage's tensor-parallel ranks (idempotent)."""
         self.engine.runner.close()

@@ -275,7 +275,6 @@ def test_runtime_captures_only_when_no_stage_has_work(tiny_omni_dir):
     stage has work."""
     import asyncio
 
-    from omnistage import SamplingParams
     from omnistage.entrypoints.async_llm import AsyncOmniLLM
 
     llm = AsyncOmniLLM(str(tiny_omni_dir), device="cpu", code2wav_warmup_plan="lazy")
@@ -483,3 +482,34 @@ def test_compile_caches_live_under_omnistage_cache_dir(tmp_path, monkeypatch):
     assert cache_dir() == inductor and triton_cache_dir(0) == triton  # what torch will use
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's wins
     assert persist_compile_caches()[0] == str(tmp_path / "mine")
+
+
+def test_ar_stage_lazy_plan_captures_only_when_idle(monkeypatch):
+    """EngineConfig.graph_warmup_plan="lazy": the runner's warm-up leaves sizes > 4 queued;
+    the stage worker's idle_capture takes one per call, never while a sequence is unfinished."""
+    import dataclasses
+
+    from omnistage.runtime.stage import ARStageWorker
+    eng, graphs, _ = _ar_engine(monkeypatch)
+    eng.runner.config = dataclasses.replace(eng.runner.config, graph_warmup_plan="lazy")
+    eng.runner.warmup_graphs([SamplingParams(temperature=0)])
+    assert sorted({k[0] for k in graphs.graphs}) == [1, 2, 4] and list(graphs.later) == [8]
+    worker = ARStageWorker("llm", eng)
+    from omnistage.engine.ar.sequence import Sequence
+    eng.add_request(Sequence("busy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2),
+                             seed=0))
+    assert not worker.idle_capture() and list(graphs.later) == [8]  # a sequence is unfinished
+    while eng.has_unfinished():
+        eng.step()
+    assert worker.idle_capture() and not graphs.later and (8, False, False) in graphs.graphs
+    assert not worker.idle_capture()  # nothing left
+
+
+def test_graph_warmup_plan_is_validated():
+    from omnistage.config.schema import EngineOptions
+    from omnistage.engine.ar.scheduler import engine_config
+    assert engine_config(256, graph_warmup_plan="lazy").graph_warmup_plan == "lazy"
+    with pytest.raises(ValueError, match="graph_warmup_plan"):
+        engine_config(256, graph_warmup_plan="later")
+    with pytest.raises(ValueError, match="graph_warmup_plan"):
+        EngineOptions(graph_warmup_plan="soon")

@@ -109,6 +109,14 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.close()
 
+    def idle_capture(self) -> bool:
+        """One decode batch size a lazy warm-up queued, captured now (True) if any is left.
+        The caller makes sure nothing runs (no step in flight anywhere: runtime idle pass)."""
+        if self.graphs is None or not self.graphs.pending_captures():
+            return False
+        with torch.inference_mode():
+            return self.graphs.capture_next() is not None
+
     def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
                       ) -> None:
         """Capture the decode graphs of every batch size now (CUDA; EngineConfig.graph_warmup
@@ -125,7 +133,8 @@ class ModelRunner:
                                             p.min_p > 0 and not greedy, p.needs_penalties,
                                             banned))
         with torch.inference_mode():
-            self.graphs.warmup(additive_width, sorted(flag_sets, key=str))
+            self.graphs.warmup(additive_width, sorted(flag_sets, key=str),
+                               lazy=self.config.graph_warmup_plan == "lazy")
             if self.prefill_graphs is not None:
                 self.prefill_graphs.warmup()
 

@@ -30,6 +30,10 @@ class EngineConfig:
     cuda_graphs: Literal["auto", "off", "eager"] = "auto"
     prefill_graphs: bool = True  # one-sequence prefills through padded graphs (with graphs)
     graph_warmup: bool = True  # capture every batch size at startup, not at first use
+    # with graph_warmup: "full" = every decode batch size at load; "lazy" = sizes <= 4 at load,
+    # the others when no stage of the process has work (runtime idle passes; a step of a size
+    # not captured yet replays a captured larger size or runs eagerly)
+    graph_warmup_plan: Literal["full", "lazy"] = "full"
     compile: bool = True  # torch.compile the layers' norm/rope/MLP kernels (CUDA)
     async_scheduling: bool = True  # launch the next decode step before collecting tokens
     fast_sampler: bool = True  # the Triton sampler kernels (CUDA); else the torch reference
@@ -59,6 +63,9 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked "
                              "prefill is off (a whole prompt must fit in one step)")
+        if self.graph_warmup_plan not in ("full", "lazy"):
+            raise ValueError(f"graph_warmup_plan: 'full' or 'lazy', got "
+                             f"{self.graph_warmup_plan!r}")
         if self.cuda_graphs not in ("auto", "off", "eager"):
             raise ValueError(f"cuda_graphs: {self.cuda_graphs!r}; expected auto, off or eager")
         for name in BOOL_SWITCHES:
@@ -215,6 +222,7 @@ def engine_config(model_max_len: int, *, max_model_len: int | None = None,
                   enable_prefix_caching: bool = True,
                   enable_chunked_prefill: bool = True, cuda_graphs: str | None = None,
                   prefill_graphs: bool | None = None, graph_warmup: bool | None = None,
+                  graph_warmup_plan: str | None = None,
                   compile: bool | None = None, async_scheduling: bool | None = None,
                   fast_sampler: bool | None = None, pdl: bool | None = None,
                   fused_rope_kv: bool | None = None, triton_gemv: bool | None = None,
@@ -223,7 +231,8 @@ def engine_config(model_max_len: int, *, max_model_len: int | None = None,
                   devices: list[str] | tuple[str, ...] | None = None) -> EngineConfig:
     """The engine's config; an option left None takes EngineConfig's default."""
     switches = dict(cuda_graphs=cuda_graphs, prefill_graphs=prefill_graphs,
-                    graph_warmup=graph_warmup, compile=compile,
+                    graph_warmup=graph_warmup, graph_warmup_plan=graph_warmup_plan,
+                    compile=compile,
                     async_scheduling=async_scheduling, fast_sampler=fast_sampler, pdl=pdl,
                     fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv,
                     gemv_fused_reduce=gemv_fused_reduce, ar_stream=ar_stream,
