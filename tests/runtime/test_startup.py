@@ -66,26 +66,12 @@ def test_warmup_runs_every_stage_and_leaves_the_engine_idle(tiny_omni_dir):
             llm.shutdown()
 
 
-def test_gen_stage_graph_warmup_is_its_own_phase():
-    # the non-AR worker's warm-up (code2wav's graphs: most of a cold start) shows as
-    # `<stage>.graphs`, lazy (the load-time part only) or full
-    import time
+def test_gen_stage_graph_warmup_is_its_own_phase(tiny_omni_dir):
+    # the code2wav worker's warm-up (its graphs: most of a cold start on CUDA) shows as
+    # `code2wav.graphs`, inside the stage's own phase
+    from omnistage import OmniLLM
+    with OmniLLM(str(tiny_omni_dir), device="cpu") as llm:
+        phases = dict(llm.startup_seconds)
+    assert "code2wav.graphs" in phases, phases
+    assert 0 <= phases["code2wav.graphs"] <= phases["code2wav"] <= phases["total"], phases
 
-    import torch
-
-    from omnistage.engine.gen import GenEngineConfig, GenStageWorker
-    from tests.runtime.test_lazy_capture import _FakeCapturer
-
-    class Slow(_FakeCapturer):
-        def warmup(self, buckets=None, lazy=False):
-            time.sleep(0.02)
-            super().warmup(buckets, lazy)
-
-    for plan in ("full", "lazy"):
-        model = Slow(queue=["g1"])
-        with startup.recording() as phases:
-            with startup.phase("code2wav"):
-                GenStageWorker("code2wav", model, torch.device("cpu"),
-                               GenEngineConfig(warmup=True, warmup_plan=plan))
-        assert model.warmups == [(None, plan == "lazy")]
-        assert 0.02 <= phases["code2wav.graphs"] <= phases["code2wav"], phases

@@ -24,7 +24,6 @@ from omnistage.engine.gen.graphs import BUCKETS, bucket_for
 from omnistage.engine.gen.model import GenModel, GenRequest
 from omnistage.engine.step import LaunchedStep, StageEvent, StageStream
 from omnistage.layers.compile import persist_compile_caches
-from omnistage.runtime import startup
 
 log = logging.getLogger("omnistage.engine.gen")
 
@@ -69,14 +68,14 @@ class GenStageWorker:
         # one worker: the orchestrator never launches this stage again before collecting it
         self.launcher = (ThreadPoolExecutor(1, thread_name_prefix=f"{name}-launch")
                          if self.config.launch_thread else None)
-        # warmup_plan="lazy": the model queues graphs that idle gaps capture (_capture_idle)
+        # warmup_plan="lazy": the model queues graphs the runtime's idle passes capture
+        # (idle_capture)
         self.lazy = self.config.warmup_plan == "lazy" and hasattr(self.model, "capture_next")
         self.idle_captures = 0
         if device.type == "cuda":  # compiled kernels outlive the process (a warm start)
             persist_compile_caches()
-        if self.config.warmup:
-            with startup.phase("graphs"):
-                self.warmup(lazy=self.lazy)
+        if self.config.warmup:  # (the stage's builder times it as its "graphs" phase)
+            self.warmup(lazy=self.lazy)
 
     def warmup(self, buckets: tuple[int, ...] | None = None, lazy: bool = False) -> None:
         """Capture the model's graphs of these batch buckets (default: those a batch of at most

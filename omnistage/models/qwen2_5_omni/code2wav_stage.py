@@ -29,6 +29,7 @@ from omnistage.models.qwen2_5_omni.code2wav_stream import (ODE_STEPS, Qwen2_5Omn
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.qwen2_5_omni.voices import MAX_VOICES
 from omnistage.models.registry import register_model
+from omnistage.runtime import startup
 
 register_model("Qwen2_5OmniToken2Wav")(Qwen2_5OmniToken2Wav)
 
@@ -222,8 +223,9 @@ def code2wav_worker(name: str, model: Qwen2_5OmniToken2Wav, device: torch.device
                        "vocoder_dtype": options.vocoder_dtype_for(device),
                        "dit_attention": options.dit_attention, "cuda_graphs": graphs,
                        "compile": config.compile and graphs, "free_sms": config.free_sms}
-    return GenStageWorker(name, Qwen2_5OmniCode2WavModel(model, device, stream_config,
-                                                         decoder_options), device, config)
+    decoder = Qwen2_5OmniCode2WavModel(model, device, stream_config, decoder_options)
+    with startup.phase("graphs"):  # the worker's warm-up: compiles and graph captures
+        return GenStageWorker(name, decoder, device, config)
 
 
 def build_code2wav_stage(path: Any, config: dict, stage: StageConfig, name: str,

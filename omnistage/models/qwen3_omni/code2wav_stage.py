@@ -26,6 +26,7 @@ from omnistage.models.qwen3_omni.code2wav import (SAMPLE_RATE, Qwen3OmniCode2Wav
                                                   Qwen3OmniCode2WavConfig,
                                                   Qwen3OmniCode2WavStreamState)
 from omnistage.models.registry import register_stage
+from omnistage.runtime import startup
 from omnistage.runtime.build import StageContext, build_stage_model
 
 
@@ -226,8 +227,9 @@ def code2wav_worker(name: str, model: Qwen3OmniCode2Wav, device: torch.device,
                     options: Qwen3OmniCode2WavOptions | None = None) -> GenStageWorker:
     """The code2wav stage: the engine's worker over `Qwen3OmniCode2WavModel` (every scheduling
     decision is the engine's)."""
-    return GenStageWorker(name, Qwen3OmniCode2WavModel(model, device, options), device,
-                          config or GenEngineConfig())
+    decoder = Qwen3OmniCode2WavModel(model, device, options)
+    with startup.phase("graphs"):  # the worker's warm-up: compiles and graph captures
+        return GenStageWorker(name, decoder, device, config or GenEngineConfig())
 
 
 @register_stage("Qwen3OmniMoeCode2Wav", "gen", sample_rate=SAMPLE_RATE)
