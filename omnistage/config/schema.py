@@ -179,6 +179,10 @@ class StageConfig(_Strict):
         if tp > 1 and self.kind != "ar":
             raise ValueError(f"tensor_parallel_size: {tp}; only AR stages (kind: ar) shard "
                              "their model")
+        if tp > 1 and self.worker == "process":
+            # a stage process is a daemon, and a daemon cannot start the TP ranks' processes
+            raise ValueError(f"worker: 'process' cannot hold a tensor-parallel stage "
+                             f"(tensor_parallel_size {tp}); use 'inprocess' or 'ray'")
         for r in range(self.replicas):
             group = self.devices[r * tp:(r + 1) * tp]
             if len({d.split(":")[0] for d in group}) > 1:

@@ -50,6 +50,9 @@ CASES = [
     ("bad kind", lambda d: d["stages"][0].update(kind="diffusion"), r"stages\.0\.kind"),
     ("negative seqs", lambda d: d["stages"][0].update(engine={"max_num_seqs": 0}),
      r"stages\.0\.engine\.max_num_seqs"),
+    ("tp in a stage process", lambda d: d["stages"][0].update(
+        worker="process", tensor_parallel_size=2, devices=["cuda:0", "cuda:1"]),
+     r"worker: 'process' cannot hold a tensor-parallel stage"),
 ]
 
 
