@@ -185,6 +185,45 @@ def test_forced_call_validates_and_round_trips(srv, choice, answer_in):
     srv.wait_idle()
 
 
+def test_response_create_brings_its_own_tools(srv):
+    """response.create's tools / tool_choice apply to that response alone: a session with no
+    tools gets one forced call, then a plain answer; a bad per-response tool names its field
+    under response. and the session lives on."""
+
+    async def run():
+        client = await connect(srv)
+        await client.send({"type": "session.update", "session": {
+            "max_output_tokens": 160, "output_modalities": ["text"],
+            "audio": {"input": {"turn_detection": None}}}})
+        await client.until("session.updated", fail_on="error")
+        await client.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "What time is it in Paris?"}]}})
+        await client.until("conversation.item.done")
+        await client.send({"type": "response.create", "response": {
+            "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}}})
+        forced = await client.until("response.done")
+        await client.send({"type": "response.create", "response": {
+            "tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}})
+        error = await client.recv()
+        await client.send({"type": "response.create", "response": {"max_output_tokens": 8}})
+        plain = await client.until("response.done")
+        await client.ws.close()
+        return forced, error, plain
+
+    forced, error, plain = asyncio.run(run())
+    assert [e["type"] for e in forced] == CALL_TYPES
+    call = forced[-1]["response"]["output"][0]
+    assert call["type"] == "function_call" and call["name"] == "get_time"
+    jsonschema.validate(json.loads(call["arguments"]), TIME)
+    assert error["type"] == "error" and error["error"]["param"] == "response.tools[1].name"
+    # the session's own tools (none) again: a message, no call
+    out = plain[-1]["response"]["output"]
+    assert plain[-1]["response"]["status"] in ("completed", "incomplete")
+    assert out and out[0]["type"] == "message", out
+    srv.wait_idle()
+
+
 def test_conversation_renders_as_qwen_tool_template(srv):
     """The session's rendering (through the omni template) equals Qwen2.5's tool layout."""
     cfg = SessionConfig.model_validate({"tools": TOOLS, "instructions": "Be brief."})

@@ -221,6 +221,9 @@ class ResponseParams(_Strict):
     max_output_tokens: int | Literal["inf"] | None = None
     conversation: Literal["auto"] | None = None
     metadata: dict[str, str] | None = None
+    # this response's tools and choice instead of the session's (None: the session's)
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 class ResponseCreate(_Event):

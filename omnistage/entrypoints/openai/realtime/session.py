@@ -354,15 +354,20 @@ class RealtimeSession:
             raise RealtimeProtocolError(f"session.sampling: {e.message}", param,
                                         event_id) from e
 
-    def _messages(self, instructions: str | None) -> list[dict[str, Any]]:
+    def _messages(self, instructions: str | None, cfg: SessionConfig
+                  ) -> list[dict[str, Any]]:
         system = instructions
-        if rt_tools.tools_active(self.config):
-            tools = rt_tools.tools_text(self.config)
+        if rt_tools.tools_active(cfg):
+            tools = rt_tools.tools_text(cfg)
             system = f"{instructions}\n\n{tools}" if instructions else tools
         return rt_tools.render_conversation(self.items, system)
 
     async def _start_response(self, params, event_id: str | None) -> None:
         cfg = self.config
+        if params and (params.tools is not None or params.tool_choice is not None):
+            cfg = cfg.model_copy(update={k: getattr(params, k) for k in ("tools", "tool_choice")
+                                         if getattr(params, k) is not None})
+            rt_tools.check_session_tools(cfg, event_id, where="response")
         modalities = (params.output_modalities if params and params.output_modalities
                       else cfg.output_modalities)
         max_tokens = params.max_output_tokens if params and params.max_output_tokens \
@@ -384,7 +389,7 @@ class RealtimeSession:
                         forced=forced is not None)
         if rt_tools.tools_active(cfg):
             resp.tools = ToolCallStream()
-        prompt: dict[str, Any] = {"messages": self._messages(instructions)}
+        prompt: dict[str, Any] = {"messages": self._messages(instructions, cfg)}
         if resp.voice is not None and item.audio:
             prompt["voice"] = resp.voice
         try:

@@ -52,26 +52,28 @@ def chat_tools(cfg: SessionConfig) -> ChatTools:
     return ChatTools(tools, choice)
 
 
-def _session_param(param: str | None) -> str:
+def _session_param(param: str | None, where: str = "session") -> str:
     """chat's field names -> the session's ('tools[0].function.parameters' ->
-    'session.tools[0].parameters')."""
+    'session.tools[0].parameters'), or a response.create's ('response.tools[0]...')."""
     path = (param or "tools").replace(".function.", ".")
-    return f"session.{path}"
+    return f"{where}.{path}"
 
 
-def check_session_tools(cfg: SessionConfig, event_id: str | None) -> None:
+def check_session_tools(cfg: SessionConfig, event_id: str | None,
+                        where: str = "session") -> None:
     """chat's checks (repeated names, unusable schemas, a named choice that is no tool), as
-    RealtimeProtocolErrors naming the session's fields."""
+    RealtimeProtocolErrors naming the fields of `where` (session.update's session, or a
+    response.create's response with its own tools)."""
     if not cfg.tools and cfg.tool_choice not in ("auto", "none"):
-        raise RealtimeProtocolError("session.tool_choice: needs session.tools",
-                                    "session.tool_choice", event_id)
+        raise RealtimeProtocolError(f"{where}.tool_choice: needs {where}.tools",
+                                    f"{where}.tool_choice", event_id)
     try:
         body = chat_tools(cfg)
         check_tools(body)  # type: ignore[arg-type]  (reads tools, tool_choice, response_format)
         if forced(body):  # type: ignore[arg-type]
             forced_call_output(body)  # type: ignore[arg-type]
     except APIError as e:
-        param = _session_param(e.param)
+        param = _session_param(e.param, where)
         why = e.message.split(": ", 1)[-1]
         raise RealtimeProtocolError(f"{param}: {why}", param, event_id) from e
 
