@@ -364,7 +364,7 @@ class Bench:
 
         import torch.nn.functional as F
 
-        from omnistage.engine.ar.cuda_graphs import private_stream
+        from omnistage.engine.streams import private_stream
         if self.small:
             return {"skipped": "CUDA graphs and streams: GPU only"}
         dec = self.decoder("bfloat16", True, True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import timed, write_result
-from omnistage.engine.ar.cuda_graphs import green_context_stream, private_stream
+from omnistage.engine.streams import green_context_stream, private_stream
 
 
 def capture(fn, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:

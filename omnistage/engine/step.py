@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.engine.ar.cuda_graphs import private_stream
+from omnistage.engine.streams import private_stream
 
 
 @dataclass

@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from omnistage.engine.ar import cuda_graphs
+from omnistage.engine import streams
 
 
 class FakePool:
@@ -27,28 +27,28 @@ class FakePool:
 def pool(monkeypatch):
     p = FakePool(4)
     monkeypatch.setattr(torch.cuda, "Stream", p.stream)
-    monkeypatch.setattr(cuda_graphs, "_HELD_STREAMS", {})
+    monkeypatch.setattr(streams, "_HELD_STREAMS", {})
     return p
 
 
 def test_distinct_while_held(pool):
     dev = torch.device("cuda", 0)
-    held = [cuda_graphs.private_stream(dev) for _ in range(3)]
+    held = [streams.private_stream(dev) for _ in range(3)]
     for _ in range(5):  # others take streams from the pool meanwhile (plain torch.cuda.Stream)
         torch.cuda.Stream(0)
-    held.append(cuda_graphs.private_stream(dev))
+    held.append(streams.private_stream(dev))
     assert len({s.cuda_stream for s in held}) == 4  # the whole pool, no stream twice
-    high = cuda_graphs.private_stream(dev, priority=-1)
+    high = streams.private_stream(dev, priority=-1)
     assert high.cuda_stream[0] == -1  # priorities have pools of their own
     freed = held.pop(1).cuda_stream
     gc.collect()
-    again = cuda_graphs.private_stream(dev)
+    again = streams.private_stream(dev)
     assert again.cuda_stream == freed  # a holder's stream is free once it is gone
 
 
 def test_exhausted_pool_warns_and_shares(pool):
     dev = torch.device("cuda", 0)
-    held = [cuda_graphs.private_stream(dev) for _ in range(4)]
+    held = [streams.private_stream(dev) for _ in range(4)]
     with pytest.warns(UserWarning, match="shares a stream"):
-        extra = cuda_graphs.private_stream(dev)
+        extra = streams.private_stream(dev)
     assert extra.cuda_stream in {s.cuda_stream for s in held}

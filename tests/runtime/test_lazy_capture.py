@@ -20,11 +20,10 @@ import torch
 from omnistage import OmniLLM, SamplingParams
 from omnistage.engine.gen import GenEngineConfig, GenRequest, GenStageWorker
 from omnistage.engine.gen.config import pop_stage_options
-from omnistage.models.qwen2_5_omni.code2wav_graphs import (BESIDE_MIN_BUCKET, BUCKETS,
-                                                           Qwen2_5OmniCode2WavDecoder,
-                                                           capture_plan, first_window_width,
-                                                           full_window_width, vocoder_lengths,
-                                                           window_widths)
+from omnistage.models.qwen2_5_omni.code2wav_graphs import BUCKETS, Qwen2_5OmniCode2WavDecoder
+from omnistage.models.qwen2_5_omni.code2wav_plan import (BESIDE_MIN_BUCKET, capture_plan,
+                                                         first_window_width, full_window_width,
+                                                         vocoder_lengths, window_widths)
 from omnistage.models.qwen2_5_omni.code2wav_stream import Qwen2_5OmniCode2WavStreamConfig
 from omnistage.testing.tiny_omni import TINY_TALKER_EOS, tiny_omni_test_messages
 

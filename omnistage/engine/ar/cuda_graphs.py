@@ -33,12 +33,10 @@ replay reruns the function), on any device: the CPU tests exercise the graph pat
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from collections.abc import Callable
 import time
 import warnings
-import weakref
 from typing import Any
 
 import numpy as np
@@ -47,56 +45,9 @@ import torch
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.logprobs import pack, row_logprobs
 from omnistage.engine.ar.sampler import SamplerState, StepSampling
+from omnistage.engine.streams import private_stream
 from omnistage.engine.ar.interface import ForwardBatch
 from omnistage.sampling_params import MAX_LOGPROBS
-
-_HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
-
-
-def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
-    """A CUDA stream that no other private_stream() caller of this process holds.
-
-    priority: 0 (default) down to -3 (torch's range): lower runs sooner when kernels wait.
-
-    NOTE: torch.cuda.Stream() hands out streams round-robin from a pool of 32 per priority, so
-    a process that asks for many (one per graph capture, say) gets the same CUDA stream twice.
-    cuBLAS keeps one workspace per stream and a CUDA graph bakes in the one of the stream it
-    was captured on: graphs whose capture streams alias share a workspace, and replayed side by
-    side (thinker/talker beside code2wav) their split-K kernels hang the GPU. Seen on the H100:
-    code2wav's decoder, built after the AR stages' captures, got the talker's capture stream.
-    """
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    held = _HELD_STREAMS.setdefault(index, set())
-    for attempt in range(2):
-        for _ in range(64):  # two passes over a pool of 32
-            stream = torch.cuda.Stream(index, priority=priority)
-            if stream.cuda_stream not in held:
-                held.add(stream.cuda_stream)
-                # free for another holder once this one is gone (its graphs went with it)
-                weakref.finalize(stream, held.discard, stream.cuda_stream)
-                return stream
-        if attempt == 0:  # holders that only a cycle keeps alive (engines of finished tests)
-            gc.collect()
-    warnings.warn(f"cuda:{index}: every stream of torch's pool (32 per priority) is held by "
-                  "live CUDA-graph runners or stages; this one shares a stream (graphs that "
-                  "replay side by side on shared streams can hang the GPU)", stacklevel=2)
-    return stream
-
-
-def green_context_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream]:
-    """(green context, stream): kernels launched on the stream, or captured on it into a CUDA
-    graph (wherever that graph is replayed), run on `num_sms` of the GPU's SMs only; the
-    caller keeps the context alive as long as the stream. Needs torch >= 2.11 (beta API)."""
-    try:
-        from torch.cuda.green_contexts import GreenContext
-    except ImportError as exc:
-        raise ValueError(f"green contexts need torch >= 2.11 (torch {torch.__version__})") from exc
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    context = GreenContext.create(num_sms=num_sms, device_id=index)
-    return context, context.Stream()
-
 
 def smallest_bucket(n: int, buckets) -> int | None:
     """The smallest of the increasing `buckets` that holds n (None: n exceeds them all); the

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import torch
 
-from omnistage.engine.ar.cuda_graphs import (green_context_stream, private_stream,
-                                              smallest_bucket, warm_and_capture)
+from omnistage.engine.ar.cuda_graphs import smallest_bucket, warm_and_capture
+from omnistage.engine.streams import green_context_stream, private_stream
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 

@@ -32,6 +32,8 @@ from omnistage.engine.gen.graphs import BUCKETS, GraphCache, SegmentGraph, bucke
 
 from .code2wav_fast import DiTState, Qwen2_5OmniFastDiT
 from .code2wav_options import DIT_DTYPES, VOCODER_DTYPES
+from .code2wav_plan import (BESIDE_MIN_BUCKET, MAX_GRAPH_FRAMES, GraphKey, capture_plan,
+                            vocoder_lengths, window_widths)
 from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               Qwen2_5OmniCode2WavChunk, Qwen2_5OmniCode2WavSpan,
                               Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig,
@@ -42,80 +44,7 @@ from .voices import MAX_VOICES
 __all__ = ["BUCKETS", "DecodeJob", "Qwen2_5OmniCode2WavDecoder", "bucket_for", "capture_plan",
            "vocoder_lengths", "window_widths"]
 
-# windows wider than this (e.g. whole-utterance windows) are not padded; 672 = 28 blocks holds a
-# 24-block chunk's window (past 2 + 24 + future 1)
-MAX_GRAPH_FRAMES = 672
 DIT_INPUTS = ("noise", "codes", "spk", "cond", "start", "nvalid")  # FastDiT.sample's first
-# the smallest DiT batch that runs on the green context beside other stages (measured:
-# benchmarks/results/qwen2_5_omni_pipeline_gpu_h100_free_sms32_later_shapes_2026-11-23.json)
-BESIDE_MIN_BUCKET = 8
-
-
-def first_window_width(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
-    """Chunk 0's DiT window (frames) before clipping: its blocks and the future blocks."""
-    return (config.first_blocks + config.future_blocks) * block
-
-
-def window_widths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
-    """The fixed DiT widths (frames): chunk 0's unclipped window, the full window, and the
-    windows of a half and a quarter chunk.
-
-    NOTE: an utterance's last chunk holds what is left (1 frame to a whole chunk, no future
-    context): padded to the full window, the last chunk of 12-block chunks often costs a whole
-    360-frame step for a few frames; the half and quarter widths cut that waste.
-    """
-    context = (config.past_blocks + config.future_blocks) * block
-    first = first_window_width(config, block)
-    chunks = {max(config.chunk_blocks, config.first_blocks), config.chunk_blocks // 2,
-              config.chunk_blocks // 4}
-    return tuple(sorted({first} | {context + n * block for n in chunks if n > 0}))
-
-
-def vocoder_lengths(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> tuple[int, ...]:
-    """The BigVGAN span lengths run as graphs: a later chunk's and chunk 0's (unclipped)."""
-    ov_past = min(config.vocoder_overlap_frames, config.past_blocks * block)
-    ov_future = min(config.vocoder_overlap_frames, config.future_blocks * block)
-    return tuple(sorted({ov_past + config.chunk_blocks * block + ov_future,
-                         config.first_blocks * block + ov_future}))
-
-
-GraphKey = tuple  # ("dit", bucket, width, beside) or ("vocoder", bucket, length)
-
-
-def full_window_width(config: Qwen2_5OmniCode2WavStreamConfig, block: int) -> int:
-    """A later chunk's DiT window (frames): past, chunk and future blocks."""
-    return (config.past_blocks + config.future_blocks
-            + max(config.chunk_blocks, config.first_blocks)) * block
-
-
-def capture_plan(config: Qwen2_5OmniCode2WavStreamConfig, block: int, buckets: tuple[int, ...],
-                 max_graph_frames: int = MAX_GRAPH_FRAMES, beside_min_bucket: int | None = None,
-                 lazy: bool = False) -> tuple[list[GraphKey], list[GraphKey]]:
-    """The graphs of a stream config -> (captured at load, captured later while idle), each in
-    capture order. beside_min_bucket: the smallest bucket with a `beside` DiT graph of its own
-    (None: no such graphs, free_sms off).
-
-    full: everything at load. lazy: at load only what a first request needs, batch 1: chunk 0's
-    width, the full window (its later chunks) and the vocoder's spans; later, bucket by bucket
-    upwards (concurrency ramps up), in each the widths a step most often needs first (chunk 0's,
-    the full window, the vocoder's spans, then the last chunks' half and quarter widths, then
-    the beside variants)."""
-    first, full = first_window_width(config, block), full_window_width(config, block)
-    widths = [w for w in window_widths(config, block) if w <= max_graph_frames]
-    main = [w for w in (first, full) if w in widths]
-    rest = [w for w in widths if w not in main]
-    order: list[GraphKey] = []
-    for b in buckets:
-        order += [("dit", b, w, False) for w in main]
-        order += [("vocoder", b, n) for n in vocoder_lengths(config, block)]
-        order += [("dit", b, w, False) for w in rest]
-        if beside_min_bucket is not None and b >= beside_min_bucket:
-            order += [("dit", b, w, True) for w in widths if w != first]
-    if not lazy:
-        return order, []
-    now = {("dit", buckets[0], w, False) for w in main}
-    now |= {("vocoder", buckets[0], n) for n in vocoder_lengths(config, block)}
-    return [k for k in order if k in now], [k for k in order if k not in now]
 
 
 @contextmanager

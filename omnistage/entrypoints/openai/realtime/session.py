@@ -354,14 +354,6 @@ class RealtimeSession:
             raise RealtimeProtocolError(f"session.sampling: {e.message}", param,
                                         event_id) from e
 
-    def _messages(self, instructions: str | None, cfg: SessionConfig
-                  ) -> list[dict[str, Any]]:
-        system = instructions
-        if rt_tools.tools_active(cfg):
-            tools = rt_tools.tools_text(cfg)
-            system = f"{instructions}\n\n{tools}" if instructions else tools
-        return rt_tools.render_conversation(self.items, system)
-
     async def _start_response(self, params, event_id: str | None) -> None:
         cfg = self.config
         if params and (params.tools is not None or params.tool_choice is not None):
@@ -389,7 +381,8 @@ class RealtimeSession:
                         forced=forced is not None)
         if rt_tools.tools_active(cfg):
             resp.tools = ToolCallStream()
-        prompt: dict[str, Any] = {"messages": self._messages(instructions, cfg)}
+        prompt: dict[str, Any] = {"messages": rt_tools.session_messages(self.items,
+                                                                         instructions, cfg)}
         if resp.voice is not None and item.audio:
             prompt["voice"] = resp.voice
         try:

@@ -159,3 +159,13 @@ async def send_call(send: Callable[[dict[str, Any]], Awaitable[None]], resp: Res
     await send({"type": "response.output_item.done", "response_id": resp.id,
                 "output_index": index, "item": item.event_item()})
     await send({"type": "conversation.item.done", "item": item.event_item()})
+
+
+def session_messages(items: list, instructions: str | None, cfg: SessionConfig) -> list[dict]:
+    """The conversation as chat messages for the prompt: the instructions, with the active
+    tools (Qwen's layout) after them in the system turn."""
+    system = instructions
+    if tools_active(cfg):
+        tools = tools_text(cfg)
+        system = f"{instructions}\n\n{tools}" if instructions else tools
+    return render_conversation(items, system)
