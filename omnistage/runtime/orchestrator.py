@@ -395,9 +395,9 @@ class Orchestrator:
                 with on_device(host.worker.device):
                     if capture():
                         return
-            except Exception:  # noqa: BLE001 - the shape stays uncaptured (eager/padded)
+            except Exception:  # noqa: BLE001 - the shape stays uncaptured (eager/padded); it
+                # left the queue before its capture, so it is not retried
                 log.exception("stage %s: an idle-time graph capture failed", name)
-                host.worker.lazy = False  # no retry of a failing capture on every pass
 
     def _sync_step(self, name: str, host: StageHost) -> None:
         t0 = time.perf_counter()

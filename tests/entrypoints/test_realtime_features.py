@@ -29,17 +29,11 @@ from omnistage.testing.chat_templates import QWEN2_5_TOOLS_TEMPLATE
 from tests.entrypoints.realtime_utils import (AUDIO_TAIL, RATE, RESPONSE_HEAD, b64, connect,
                                               response_types, serve_tiny_omni, speak)
 from tests.entrypoints.server_utils import MODEL_NAME
+from tests.entrypoints.test_openai_tools import PARAMS, TIME
+from tests.entrypoints.test_openai_tools import TOOLS as CHAT_TOOLS
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Forecast",
-          "parameters": WEATHER},
-         {"type": "function", "name": "get_time", "parameters": TIME}]
-PARAMS = {"get_weather": WEATHER, "get_time": TIME}
+# chat's tools (tests/entrypoints/test_openai_tools.py) in the Realtime API's flat layout
+TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
 CALL_TYPES = ["response.created", "response.output_item.added", "conversation.item.added",
               "response.function_call_arguments.delta", "response.function_call_arguments.done",
               "response.output_item.done", "conversation.item.done", "response.done"]

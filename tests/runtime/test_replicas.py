@@ -7,19 +7,11 @@ import numpy as np
 import pytest
 import yaml
 
-from omnistage import OmniLLM, SamplingParams
+from omnistage import OmniLLM
 from omnistage.config.schema import load_pipeline
 from omnistage.runtime.replicas import ReplicaSet, unit_name
-from omnistage.testing.tiny_omni import TINY_TALKER_EOS, tiny_omni_test_messages
-
-
-def speech_params(thinker_tokens: int, codes: int, seed: int) -> dict:
-    return {"thinker": SamplingParams(temperature=0.8, top_k=50, max_tokens=thinker_tokens,
-                                      min_tokens=thinker_tokens, seed=seed),
-            "talker": SamplingParams(temperature=0.9, top_k=40, top_p=0.8,
-                                     repetition_penalty=1.05, max_tokens=codes, min_tokens=codes,
-                                     stop_token_ids=TINY_TALKER_EOS, suppress_token_ids=[121],
-                                     seed=seed)}
+from omnistage.testing.tiny_omni import tiny_omni_test_messages
+from tests.runtime.test_process_stages import speech_params
 
 
 def replicated_yaml(tmp_path, **code2wav) -> str:

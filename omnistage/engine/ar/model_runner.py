@@ -114,8 +114,7 @@ class ModelRunner:
         The caller makes sure nothing runs (no step in flight anywhere: runtime idle pass)."""
         if self.graphs is None or not self.graphs.pending_captures():
             return False
-        with torch.inference_mode():
-            return self.graphs.capture_next() is not None
+        return self.graphs.capture_next() is not None
 
     def warmup_graphs(self, params: list[SamplingParams], additive_width: int | None = None
                       ) -> None:
