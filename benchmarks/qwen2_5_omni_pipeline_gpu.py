@@ -346,6 +346,27 @@ def stage_stats(llm: AsyncOmniLLM) -> dict:
             "c2w_alone": s["code2wav"].get("alone_steps", 0)}
 
 
+def pending_captures(llm: AsyncOmniLLM) -> dict[str, int]:
+    """Graphs a lazy warm-up plan has left per in-process stage (captured in idle passes)."""
+    out = {}
+    for name, w in llm.pipeline.workers.items():
+        if hasattr(w, "captures_pending"):  # gen stages (code2wav)
+            out[name] = w.captures_pending()
+        elif getattr(getattr(w, "engine", None), "runner", None) is not None:
+            graphs = w.engine.runner.graphs
+            out[name] = graphs.pending_captures() if graphs is not None else 0
+    return out
+
+
+async def settle_captures(llm: AsyncOmniLLM, limit_s: float = 300.0) -> float:
+    """Waits (idle) until the runtime's idle passes captured every graph a lazy warm-up left;
+    returns the seconds waited."""
+    t0 = time.perf_counter()
+    while any(pending_captures(llm).values()) and time.perf_counter() - t0 < limit_s:
+        await asyncio.sleep(0.05)
+    return round(time.perf_counter() - t0, 2)
+
+
 async def run_round(llm: AsyncOmniLLM, c: int, text_tokens: int, codes: int, seed: int,
                     stagger_s: float = 0.0, profile_host: bool = False) -> dict:
     # stagger_s: the requests arrive evenly over this many seconds (0: all at once)
@@ -616,6 +637,7 @@ async def main_async(args, res: dict, save) -> None:
                           if args.gpu_memory_budget else {}))
     res["load_s"] = round(time.perf_counter() - t1, 1)
     res["startup_phases_s"] = {k: round(v, 2) for k, v in llm.startup_seconds.items()}
+    res["pending_captures_after_load"] = pending_captures(llm)
     res["quantization"], res["gpu_memory_budget_GiB"] = args.quantization, args.gpu_memory_budget
     c2w = llm.pipeline.workers.get("code2wav")
     if getattr(getattr(c2w, "model", None), "_decoder", None) is not None:
@@ -632,7 +654,9 @@ async def main_async(args, res: dict, save) -> None:
     if args.code2wav_warmup and hasattr(stage, "warmup"):  # capture code2wav's graphs up front
         stage.warmup()
         res["code2wav_warmup_s"] = round(time.perf_counter() - t2, 1)
-    warm = [int(c) for c in args.warmup.split(",")] if args.warmup else conc
+    # "none": the measured rounds start right after load (the first request after start)
+    warm = ([] if args.warmup == "none" else
+            [int(c) for c in args.warmup.split(",")] if args.warmup else conc)
     # enough codes for chunk 0, a full window (chunk 1) and a short last chunk (its window
     # pads to the smallest width): the DiT widths the measured rounds use
     warm_codes = min(args.codes, 12 * (window.first_blocks + window.chunk_blocks
@@ -706,6 +730,8 @@ async def main_async(args, res: dict, save) -> None:
             shared = StageStream(ar_workers[0].device, priority=-1)
             for w in ar_workers:
                 w.gpu = shared if mode == "ar_shared" else StageStream(w.device, priority=-1)
+        settle = await settle_captures(llm) if 0 <= args.settle_from <= i else None
+        pending = pending_captures(llm)
         try:
             if staggered:
                 res["runs"][name] = await run_round(
@@ -725,6 +751,10 @@ async def main_async(args, res: dict, save) -> None:
                 stage.launcher = launcher
             for w, gpu, pg in zip(ar_workers, ar_streams, prefill_graphs):
                 w.gpu, w.engine.runner.prefill_graphs = gpu, pg
+        if isinstance(res["runs"].get(name), dict):  # lazy warm-up: graphs still to capture
+            res["runs"][name]["pending_captures_at_start"] = pending
+            if settle is not None:
+                res["runs"][name]["settle_s"] = settle
         if isinstance(res["runs"].get(name), dict):  # one-sequence prefills run as graphs
             res["runs"][name]["prefill_graph_runs"] = {
                 w.name: (pg.num_runs if pg is not None else 0) - n0
@@ -749,7 +779,11 @@ def main() -> None:
                     help="start no further round after this many seconds")
     ap.add_argument("--oneshot-c1", action="store_true")
     ap.add_argument("--oneshot", default="", help="concurrencies also run with one-shot code2wav")
-    ap.add_argument("--warmup", default="", help="warm-up concurrencies (default: --concurrency)")
+    ap.add_argument("--warmup", default="",
+                    help="warm-up concurrencies (default: --concurrency; none: no warm-up)")
+    ap.add_argument("--settle-from", type=int, default=-1, metavar="K",
+                    help="measured rounds from index K on first wait until a lazy warm-up's "
+                         "graphs are all captured (the wait is reported as settle_s)")
     ap.add_argument("--oneshot-only", action="store_true", help="skip the streaming rounds")
     ap.add_argument("--serial", default="",
                     help="concurrencies also run with the stages stepped one after another "

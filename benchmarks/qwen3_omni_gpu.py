@@ -396,6 +396,8 @@ async def bench_ours(args, res: dict, save, dev: torch.device, ckpt: Path, cfg: 
                                                  Path(f"{ckpt}-load-part"), dev, dtype)
         save("checkpoint_load")
     options = {"load_format": "dummy", "quantization": "fp8" if args.fp8 else None}
+    if args.tp_all_reduce:  # a tensor-parallel thinker's all-reduces (docs/distributed.md)
+        options["tp_all_reduce"] = args.tp_all_reduce
     if max(conc) > 64:  # the engine's default max_num_seqs
         options["max_num_seqs"] = max(conc)
     per_stage = {name: {"devices": devs}
@@ -412,6 +414,8 @@ async def bench_ours(args, res: dict, save, dev: torch.device, ckpt: Path, cfg: 
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, **options)
     res["load_s"] = round(time.perf_counter() - t0, 1)
     res["engine_defaults"] = engine_defaults(llm)
+    tp = llm.pipeline.engines["thinker"].runner.tp  # the all-reduce the thinker's group uses
+    res["tp_all_reduce"] = {"option": args.tp_all_reduce, "used": tp.all_reduce_mode}
     if dev.type == "cuda":
         res["mem_after_load_GiB"] = gib(torch.cuda.memory_allocated())
         res["peak_mem_load_GiB"] = gib(torch.cuda.max_memory_allocated())
@@ -546,6 +550,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stage-devices", default="",
                     help='e.g. "thinker=cuda:0,talker=cuda:1,code2wav=cuda:1"; '
                          '"thinker=cuda:0+cuda:1": the thinker at tensor_parallel_size 2')
+    ap.add_argument("--tp-all-reduce", choices=["auto", "nccl", "symm_mem"], default=None,
+                    help="tp_all_reduce of a tensor-parallel thinker (default: the engine's)")
     ap.add_argument("--thinker-only", action="store_true",
                     help="the thinker stage alone: decode ms/token at each --concurrency")
     ap.add_argument("--load-part", default="talker",

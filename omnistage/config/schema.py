@@ -47,6 +47,9 @@ class EngineOptions(_Strict):
     ar_stream: str | None = Field(None, min_length=1, max_length=64)
     # this stage's tensor-parallel ranks (docs/distributed.md); never inherited by other stages
     tensor_parallel_size: int | None = Field(None, ge=1, le=64)
+    # its all-reduces (docs/distributed.md): "auto" (one-shot over symmetric memory for small
+    # tensors on CUDA GPUs with peer access, NCCL otherwise), "nccl", "symm_mem"
+    tp_all_reduce: Literal["auto", "nccl", "symm_mem"] | None = None
 
 
 class StageInput(_Strict):

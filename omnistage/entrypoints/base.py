@@ -46,7 +46,8 @@ class OmniBase:
                engine_options: dict[str, Any]) -> None:
         self.path = resolve_model_path(model)
         config = load_config(self.path)
-        pipeline_cls = resolve_pipeline(config)
+        with startup.phase("imports"):  # the model families' modules (transformers' processors)
+            pipeline_cls = resolve_pipeline(config)
         self.pipeline_config = load_pipeline(pipeline or pipeline_cls.builtin)
         check_registered(self.pipeline_config)
         self.device = resolve_device(device)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.fp8 import FP8_DTYPE, quantize_fp8, quantize_linears, triton_installed
-from omnistage.layers.parallel import (Shard, column_linear, current_tp, mark_shard, row_linear,
+from omnistage.layers.parallel import (Shard, column_linear, current_tp, mark_shard,
+                                       quantize_fp8_row_parallel, row_linear,
                                        split)
 
 BACKENDS = ("auto", "torch", "triton")
@@ -164,6 +165,7 @@ class MoEExperts(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = local
         self.shard_start = start  # this rank's first row of each expert's intermediate
+        self.tp = tp  # (quantize_fp8: the row-parallel down_proj takes its whole rows' scales)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
         if tp.enabled:  # fused checkpoint tensors: the gate half's block, then the up half's
@@ -237,8 +239,11 @@ class MoEExperts(nn.Module):
             weights = getattr(self, name)
             quantized = torch.empty(weights.shape, dtype=FP8_DTYPE, device=weights.device)
             scale = torch.empty(weights.shape[:2], dtype=torch.float32, device=weights.device)
+            row_parallel = name == "down_proj" and self.tp.enabled  # (collective, then)
             for expert in range(self.num_experts):
-                quantized[expert], scale[expert] = quantize_fp8(weights[expert])
+                quantized[expert], scale[expert] = (
+                    quantize_fp8_row_parallel(weights[expert], self.tp) if row_parallel
+                    else quantize_fp8(weights[expert]))
             setattr(self, name, nn.Parameter(quantized, requires_grad=False))
             setattr(self, name.replace("_proj", "_scale"), scale)
 

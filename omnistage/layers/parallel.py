@@ -16,7 +16,11 @@ logits columns, so every rank holds the same full logits.
 
 A model is built sharded by constructing it inside `tensor_parallel(tp)`: constructors read
 `current_tp()`. Checkpoint loading (checkpoint.load_parameters) finds each sharded parameter's
-`tp_shard` and copies only its slice."""
+`tp_shard` and copies only its slice.
+
+All-reduces: the group's own (NCCL on GPUs, gloo on the CPU), or, on CUDA ranks with peer
+access (engine option tp_all_reduce), a one-shot kernel over symmetric memory for the small
+tensors of decode steps (layers/symm_all_reduce.py), captured in the decode graphs like NCCL's."""
 
 from __future__ import annotations
 
@@ -42,18 +46,30 @@ class TensorParallel:
     size: int = 1
     group: Any = None
     store: Any = None  # the group's TCPStore (kept alive with it)
+    # the one-shot all-reduce over symmetric memory (layers/symm_all_reduce.py: CUDA ranks
+    # with peer access, tp_all_reduce "auto" or "symm_mem"); None: the group's all-reduce
+    symm: Any = None
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
 
+    @property
+    def all_reduce_mode(self) -> str:
+        """"symm_mem" (one-shot for the tensors it accepts, the group's otherwise) or "nccl"
+        (the group's own: NCCL, or gloo on the CPU)."""
+        return "nccl" if self.symm is None else "symm_mem"
+
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Sums (or takes the min of) x over the ranks, in place; returns x."""
+        """Sums (or takes the min or max of) x over the ranks, in place; returns x."""
         if not self.enabled:
             return x
+        if self.symm is not None and op == "sum" and self.symm.accepts(x):
+            return self.symm(x)
         import torch.distributed as dist
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        opts.reduceOp = ops[op]
         self.group.allreduce([x], opts).wait()
         return x
 
@@ -96,10 +112,13 @@ def current_tp() -> TensorParallel:
 
 
 def new_group(backend: str, rank: int, size: int, host: str, port: int,
-              timeout_s: float) -> TensorParallel:
+              timeout_s: float, all_reduce: str = "nccl",
+              device: torch.device | None = None) -> TensorParallel:
     """Rank `rank` of a group of `size` whose store rank 0 serves on host:port: a c10d backend
     not registered as torch.distributed's default group (several stages of one process can
-    each have one). Blocks until every rank joined (or the timeout)."""
+    each have one). Blocks until every rank joined (or the timeout). all_reduce: the mode
+    symm_all_reduce.resolve_mode chose for the group (the same on every rank); "symm_mem" or
+    "auto" (NCCL only) also set up the one-shot all-reduce on `device`, collectively."""
     import torch.distributed as dist
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
@@ -111,7 +130,13 @@ def new_group(backend: str, rank: int, size: int, host: str, port: int,
         group = dist.ProcessGroupNCCL(store, rank, size, opts)
     else:
         raise ValueError(f"backend: {backend!r}; expected gloo or nccl")
-    return TensorParallel(rank, size, group, store)
+    symm = None
+    if backend == "nccl" and all_reduce in ("auto", "symm_mem"):
+        from omnistage.layers.symm_all_reduce import (AUTO_MAX_BYTES, BUFFER_BYTES,
+                                                      SymmAllReduce)
+        limit = AUTO_MAX_BYTES if all_reduce == "auto" else BUFFER_BYTES
+        symm = SymmAllReduce(store, rank, size, device or torch.device("cuda"), limit)
+    return TensorParallel(rank, size, group, store, symm)
 
 
 # ------------------------------------------------------------------------- how weights split
@@ -266,3 +291,17 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight)
         return self.tp.all_gather_last(local)[..., :self.vocab_size]
+
+
+def quantize_fp8_row_parallel(w: torch.Tensor, tp: TensorParallel
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers.fp8.quantize_fp8 of a row-parallel weight [..., N, K / size] (this rank's input
+    columns of each output row) with the whole row's scale: the row amax is max-reduced over
+    the ranks (collective), so each rank's e4m3 values are its slice of TP=1's and its scales
+    are TP=1's (a scale per slice would quantise differently from one rank)."""
+    from omnistage.layers.fp8 import FP8_DTYPE, FP8_MAX
+    w32 = w.to(torch.float32, copy=True)  # worked on in place
+    amax = torch.linalg.vector_norm(w32, ord=float("inf"), dim=-1).contiguous()
+    scale = tp.all_reduce(amax, "max") / FP8_MAX
+    w32.div_(scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
+    return w32.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

@@ -22,6 +22,7 @@ from torch import nn
 from omnistage.engine.ar.attention import _triton_ok, paged_attention, write_kv
 from omnistage.engine.ar.interface import ForwardBatch
 from omnistage.layers.fp8 import Fp8Linear, dequantize_fp8, quantize_fp8
+from omnistage.layers.parallel import quantize_fp8_row_parallel
 from omnistage.models.layers import DecoderLayer, _rms_norm, apply_rope
 
 
@@ -51,9 +52,11 @@ def _quantize_layer(layer: DecoderLayer) -> Fp8LayerWeights:
         layer.fuse()
     a, m = layer.self_attn, layer.mlp
     w_qkv, s_qkv = quantize_fp8(layer.w_qkv)
-    w_o, s_o = quantize_fp8(a.o_proj.weight)
+    # tensor parallel: o and down are row-parallel, scaled by their whole rows (collective)
+    row = (lambda w: quantize_fp8_row_parallel(w, a.tp)) if a.tp.enabled else quantize_fp8
+    w_o, s_o = row(a.o_proj.weight)
     w_gate_up, s_gate_up = quantize_fp8(layer.w_gate_up)
-    w_down, s_down = quantize_fp8(m.down_proj.weight)
+    w_down, s_down = row(m.down_proj.weight)
     q = Fp8LayerWeights(w_qkv, s_qkv, layer.b_qkv, w_o, s_o, w_gate_up, s_gate_up,
                         layer.b_gate_up, w_down, s_down, m.down_proj.bias)
     # the 16-bit projections go (the q/k/v and gate/up linears are views of the fused ones)
@@ -97,6 +100,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 def _uses_gemv(layer: DecoderLayer, x: torch.Tensor) -> bool:
     from omnistage.engine.ar.triton_gemv import MAX_ROWS  # triton: lazily
+    if layer.self_attn.tp.enabled:  # (the GEMVs' fused residuals cannot all-reduce)
+        return False
     return x.shape[0] <= MAX_ROWS and layer.uses_fused_rope_kv(x.device) \
         and layer.kernels.triton_gemv is not False and _triton_ok(x.device)
 
@@ -132,7 +137,11 @@ def fp8_layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
         k = apply_rope(k.reshape(T, hkv, hd), cos, sin)
         write_kv(k, v.reshape(T, hkv, hd), a.k_cache, a.v_cache, batch.attn.slot_mapping)
     o = paged_attention(q, a.k_cache, a.v_cache, batch.attn, a.scale, pdl=opts.pdl)
-    x = x + _linear(o.reshape(T, -1), q8.w_o, q8.s_o, None)
+    x = x + a.tp.all_reduce(_linear(o.reshape(T, -1), q8.w_o, q8.s_o, None))
     gate, up = _linear(_rms_norm(x, post.weight, post.eps), q8.w_gate_up, q8.s_gate_up,
                        q8.b_gate_up).chunk(2, dim=-1)
+    if a.tp.enabled:  # row-parallel down: the partial sums all-reduced, then the whole bias
+        down = a.tp.all_reduce(_linear(nn.functional.silu(gate) * up, q8.w_down, q8.s_down,
+                                       None))
+        return x + down if q8.b_down is None else x + down + q8.b_down
     return x + _linear(nn.functional.silu(gate) * up, q8.w_down, q8.s_down, q8.b_down)

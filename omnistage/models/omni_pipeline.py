@@ -26,6 +26,7 @@ from omnistage.runtime.memory import (CODE2WAV_MAX_BATCH, THINKER_SHARE, WEIGHT_
                                       MemoryBudget,
                                       checkpoint_bytes, fp8_projection, pop_memory_budget)
 from omnistage.runtime.orchestrator import RuntimeRequest
+from omnistage.runtime import startup
 from omnistage.runtime.process import pop_stage_worker
 from omnistage.runtime.stage import ARStageWorker, StageLink
 from omnistage.sampling_params import SamplingParams
@@ -141,7 +142,8 @@ class ThinkerTalkerPipeline:
         st, sk, sc = self.roles["thinker"], self.roles["talker"], self.roles["code2wav"]
         if st is None:
             raise ValueError(f"pipeline: a {self.family} pipeline needs a stage with output: text")
-        self.processor = processor_class.from_pretrained(path)
+        with startup.phase("processor"):  # tokenizer, image/audio/video processors
+            self.processor = processor_class.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
         gen_cfg = load_generation_config(path)
         text_cfg = thinker_cfg["text_config"]

@@ -18,6 +18,7 @@ from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
 from omnistage.engine.ar.tp import start_workers
 from omnistage.layers.parallel import current_tp, tensor_parallel
+from omnistage.layers.symm_all_reduce import check_mode
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
 from omnistage.runtime.stage import on_device
 from omnistage.runtime import startup
@@ -119,6 +120,9 @@ def stage_engine_config(model_max_len: int, options: dict[str, Any],
     """Constructor engine options, overridden by the stage's YAML `engine:` keys."""
     merged = dict(options)
     merged.update({k: v for k, v in stage.model_dump().items() if v is not None})
+    # the TP group's all-reduce: not the engine's (build_ranks gives it to the group)
+    if (mode := merged.pop("tp_all_reduce", None)) is not None:
+        check_mode(mode)
     try:
         return engine_config(model_max_len, **merged)
     except TypeError as e:
@@ -279,7 +283,7 @@ def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],
     devices = list(ctx.devices)
     tp, workers = start_workers(size, devices, build_tp_rank,
                                 (str(ctx.path), ctx.config, ctx.pipeline, ctx.name, ctx.dtype,
-                                 ctx.options, placement))
+                                 ctx.options, placement), all_reduce=tp_all_reduce(ctx))
     try:
         with tensor_parallel(tp):
             worker = build(dataclasses.replace(ctx, device=devices[0]))
@@ -289,6 +293,18 @@ def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],
         workers.abandon()  # its ranks failed, or wait for a step that will not come
         raise
     return worker
+
+
+def tp_all_reduce(ctx: StageContext) -> str:
+    """The stage's tp_all_reduce: its YAML `engine:` key, else the constructor's, else "nccl"
+    (ValueError naming tp_all_reduce for a bad constructor value).
+
+    NOTE (default nccl): the one-shot kernel has not yet run on GPUs here (no multi-GPU
+    machine since it was written); "auto" becomes the default once it is measured."""
+    own = getattr(ctx.stage.engine, "tp_all_reduce", None)
+    engine = ctx.options.get("engine")
+    wide = engine.get("tp_all_reduce") if isinstance(engine, dict) else None
+    return check_mode(own or wide or "nccl")
 
 
 def build_tp_rank(path: str, config: dict, pipeline: PipelineConfig, name: str,

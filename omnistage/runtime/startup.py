@@ -28,6 +28,9 @@ def recording() -> Iterator[dict[str, float]]:
     finally:
         _current.reset(token)
         phases["total"] = time.perf_counter() - t0
+        # the seconds no phase covers (CUDA's initialisation, config parsing, ...)
+        phases["other"] = max(0.0, phases["total"] - sum(
+            v for k, v in phases.items() if "." not in k and k != "total"))
 
 
 @contextmanager
@@ -50,10 +53,12 @@ def phase(name: str) -> Iterator[None]:
 
 def describe(phases: dict[str, float]) -> str:
     """One log line: `total 12.3 s; thinker 8.1 (weights 2.0, graphs 5.5); ...`."""
-    top = [k for k in phases if "." not in k and k != "total"]
+    top = [k for k in phases if "." not in k and k not in ("total", "other")]
     parts = []
     for name in top:
         inner = [f"{k[len(name) + 1:]} {v:.1f}" for k, v in phases.items()
                  if k.startswith(name + ".")]
         parts.append(f"{name} {phases[name]:.1f}" + (f" ({', '.join(inner)})" if inner else ""))
+    if "other" in phases:
+        parts.append(f"other {phases['other']:.1f}")
     return f"total {phases.get('total', 0.0):.1f} s; " + "; ".join(parts)

@@ -32,15 +32,20 @@ CPU = torch.device("cpu")
 
 # ------------------------------------------------------------------------- harness
 def run_stage(path, pipeline: str, stage: str, tp: int, make_seqs, graphs: str = "off",
-              record_router: bool = False, devices: tuple[str, ...] | None = None) -> dict:
+              record_router: bool = False, devices: tuple[str, ...] | None = None,
+              quantization: str | None = None, all_reduce: str | None = None) -> dict:
     """Build `stage` of `pipeline` with `tp` ranks (on `devices`, default all CPU) through the
     stage builder, run the sequences make_seqs(worker) to the end; tokens, logprobs, every
-    rank's report and (MoE) the router logits of rank 0, call by call."""
+    rank's report and (MoE) the router logits of rank 0, call by call. all_reduce: the
+    tp_all_reduce engine option (None: its default)."""
     devices = devices or ("cpu",) * tp
     config = load_config(path)
-    options = {"engine": {"cuda_graphs": graphs, "max_model_len": 512, "max_num_seqs": 4,
-                          "async_scheduling": True},
-               "stage_worker": None, "load_format": "safetensors", "quantization": None}
+    engine = {"cuda_graphs": graphs, "max_model_len": 512, "max_num_seqs": 4,
+              "async_scheduling": True}
+    if all_reduce is not None:
+        engine["tp_all_reduce"] = all_reduce
+    options = {"engine": engine, "stage_worker": None, "load_format": "safetensors",
+               "quantization": quantization}
     worker = build_stage_worker(path, config, load_pipeline(pipeline), stage,
                                 torch.device(devices[0]), torch.float32, options,
                                 StagePlacement(0, devices, tp))
@@ -71,6 +76,12 @@ def run_stage(path, pipeline: str, stage: str, tp: int, make_seqs, graphs: str =
         whole = {n: p.tp_shard.full_shape for n, p in runner.model.named_parameters()
                  if getattr(p, "tp_shard", None) is not None}
         return {"tokens": tokens, "logprobs": logprobs, "reports": reports, "router": router,
+                "all_reduce_mode": runner.tp.all_reduce_mode,
+                "symm_calls": runner.tp.symm.num_calls if runner.tp.symm is not None else 0,
+                "fp8_layers": sum(getattr(m, "fp8", None) is not None
+                                  for m in runner.model.modules()),
+                "fp8_experts": sum(bool(getattr(m, "is_fp8", False))
+                                   for m in runner.model.modules()),
                 "ahead": engine.num_ahead_steps, "graph_forwards": len(runner.graphs.graphs)
                 if runner.graphs is not None else 0,
                 "graph_runs": runner.graphs.num_runs if runner.graphs is not None else 0,
@@ -327,7 +338,7 @@ def test_bad_tensor_parallel_sizes(tiny_qwen2):
     assert Qwen2ForCausalLM.supports_tensor_parallel()
     assert Qwen2_5OmniThinkerForCausalLM.supports_tensor_parallel()
     assert Qwen3OmniThinkerForCausalLM.supports_tensor_parallel()
-    assert not Qwen2_5OmniTalkerForCausalLM.supports_tensor_parallel()
+    assert Qwen2_5OmniTalkerForCausalLM.supports_tensor_parallel()  # (its own forward, collective)
     # more ranks than GPUs, fewer devices than ranks, mixed devices
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         check_devices(2, [torch.device("cuda", torch.cuda.device_count()),

@@ -5,7 +5,8 @@ WebSocket; every server event is checked against the `openai` SDK's Realtime eve
   completed event whose transcript equals what /v1/audio/transcriptions (the official openai
   client) returns for the same clip; null turns it off.
 - Tools: a forced call (a named function, "required") is a function_call item whose arguments
-  validate against the function's schema (`jsonschema`), with the events in OpenAI's order; a
+  validate against the function's schema (`jsonschema`), with the events in OpenAI's order and
+  the arguments streamed as they are generated (several deltas that add up to .done's); a
   function_call_output then response.create is answered with the tool result in the prompt;
   the conversation renders as Qwen2.5's tool template renders it; bad tool definitions give
   `error` naming the field and the session lives on."""
@@ -37,12 +38,35 @@ TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
 CALL_TYPES = ["response.created", "response.output_item.added", "conversation.item.added",
               "response.function_call_arguments.delta", "response.function_call_arguments.done",
               "response.output_item.done", "conversation.item.done", "response.done"]
+ARGS_DELTA = "response.function_call_arguments.delta"
 TRSC = "conversation.item.input_audio_transcription."
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_omni_dir):
     yield from serve_tiny_omni(tiny_omni_dir)
+
+
+def call_frame(events: list[dict]) -> list[str]:
+    """The event types with each run of argument deltas as one (the frame, in order)."""
+    types = [e["type"] for e in events]
+    return [t for i, t in enumerate(types) if t != ARGS_DELTA or types[i - 1] != ARGS_DELTA]
+
+
+def check_streamed_call(events: list[dict], call: dict) -> None:
+    """A call's events: added with its name and call_id and no arguments yet, more than one
+    argument delta (a multi-token object streams), the deltas add up to .done's arguments."""
+    added = next(e for e in events if e["type"] == "response.output_item.added")["item"]
+    assert added["type"] == "function_call" and added["status"] == "in_progress"
+    assert (added["name"], added["call_id"], added["arguments"]) == \
+        (call["name"], call["call_id"], ""), added
+    deltas = [e for e in events if e["type"] == ARGS_DELTA]
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert len(deltas) > 1, deltas
+    assert "".join(e["delta"] for e in deltas) == done["arguments"] == call["arguments"]
+    assert done["name"] == call["name"] and done["call_id"] == call["call_id"]
+    assert all(e["item_id"] == call["id"] and e["call_id"] == call["call_id"]
+               and e["output_index"] == 0 for e in deltas + [done])
 
 
 async def _commit(client, pcm: np.ndarray) -> str:
@@ -150,7 +174,7 @@ def test_forced_call_validates_and_round_trips(srv, choice, answer_in):
         return call_events, added, answer
 
     call_events, added, answer = asyncio.run(run())
-    assert [e["type"] for e in call_events] == CALL_TYPES
+    assert call_frame(call_events) == CALL_TYPES
     done = call_events[-1]["response"]
     assert done["status"] == "completed" and len(done["output"]) == 1, done
     call = done["output"][0]
@@ -158,10 +182,7 @@ def test_forced_call_validates_and_round_trips(srv, choice, answer_in):
     if isinstance(choice, dict):
         assert call["name"] == choice["name"]
     jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
-    delta, args_done = call_events[3], call_events[4]
-    assert delta["delta"] == args_done["arguments"] == call["arguments"]
-    assert args_done["name"] == call["name"] and args_done["call_id"] == call["call_id"]
-    assert all(e["item_id"] == call["id"] for e in call_events[3:5])
+    check_streamed_call(call_events, call)
     assert added[-1]["item"]["type"] == "function_call_output"
     # the answer: a response with output, its prompt longer by the call and the tool result
     final = answer[-1]["response"]
@@ -176,6 +197,49 @@ def test_forced_call_validates_and_round_trips(srv, choice, answer_in):
         block = srv.llm.engine.config.block_size
         assert final["usage"]["input_token_details"]["cached_tokens"] >= \
             first_prompt // block * block > 0
+    srv.wait_idle()
+
+
+def test_a_call_cut_inside_its_arguments_is_incomplete(srv):
+    """max_output_tokens that ends a forced call inside its arguments (found by shortening the
+    seeded answer from its end): the call's deltas are the start of the whole call's
+    arguments, and the call and the response are incomplete."""
+
+    async def answer(limit: int | None) -> list[dict]:
+        """The forced call in a fresh session (the same prompt), seeded."""
+        client = await _tool_session(srv, {"type": "function", "name": "get_weather"})
+        await client.send({"type": "session.update", "session": {"sampling": {"seed": 5}}})
+        await client.until("session.updated", fail_on="error")
+        await client.send({"type": "response.create", "response": {} if limit is None
+                           else {"max_output_tokens": limit}})
+        events = await client.until("response.done")
+        await client.ws.close()
+        return events
+
+    async def run():
+        whole = await answer(None)
+        n = whole[-1]["response"]["usage"]["output_token_details"]["text_tokens"]
+        for limit in range(n - 1, 0, -1):
+            cut = await answer(limit)
+            output = cut[-1]["response"]["output"]
+            if output and output[0]["type"] == "function_call" and \
+                    output[0]["status"] == "incomplete":
+                return whole, cut
+        raise AssertionError(f"no cut of the {n} tokens ends inside the arguments")
+
+    whole, cut = asyncio.run(run())
+    full = whole[-1]["response"]["output"][0]["arguments"]
+    done = cut[-1]["response"]
+    call = done["output"][0]
+    assert done["status"] == "incomplete"
+    assert done["status_details"]["reason"] == "max_output_tokens"
+    assert call_frame(cut) == CALL_TYPES
+    deltas = "".join(e["delta"] for e in cut if e["type"] == ARGS_DELTA)
+    args_done = next(e for e in cut if e["type"] == "response.function_call_arguments.done")
+    assert deltas == args_done["arguments"] == call["arguments"]
+    assert full.startswith(call["arguments"]) and len(call["arguments"]) < len(full)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call["arguments"])
     srv.wait_idle()
 
 
@@ -206,8 +270,9 @@ def test_response_create_brings_its_own_tools(srv):
         return forced, error, plain
 
     forced, error, plain = asyncio.run(run())
-    assert [e["type"] for e in forced] == CALL_TYPES
+    assert call_frame(forced) == CALL_TYPES
     call = forced[-1]["response"]["output"][0]
+    check_streamed_call(forced, call)
     assert call["type"] == "function_call" and call["name"] == "get_time"
     jsonschema.validate(json.loads(call["arguments"]), TIME)
     assert error["type"] == "error" and error["error"]["param"] == "response.tools[1].name"

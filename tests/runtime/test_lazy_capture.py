@@ -390,18 +390,18 @@ def test_decode_capture_plan():
     from omnistage.engine.ar.cuda_graphs import decode_capture_plan
     sizes = [1, 2, 4, 8, 16, 32, 48, 64]
     assert decode_capture_plan(sizes, lazy=False) == (sizes, [])
-    assert decode_capture_plan(sizes, lazy=True) == ([1, 2, 4], [8, 16, 32, 48, 64])
-    assert decode_capture_plan(sizes, lazy=True, load_size=0) == ([1], sizes[1:])
+    assert decode_capture_plan(sizes, lazy=True) == ([1, 2, 4, 64], [8, 16, 32, 48])
+    assert decode_capture_plan(sizes, lazy=True, load_size=0) == ([1, 64], sizes[1:-1])
     assert decode_capture_plan([1], lazy=True, load_size=8) == ([1], [])
 
 
-def _ar_engine(monkeypatch):
+def _ar_engine(monkeypatch, max_num_seqs: int = 8):
     """A CPU engine on the decode-graph path whose "captures" are the eager stand-ins (each
     recorded): the graph bookkeeping of a CUDA engine, on the CPU."""
     from omnistage.engine.ar.engine import AREngine
     from omnistage.engine.ar.scheduler import EngineConfig
     from tests.engine.test_cuda_graphs import cpu_model
-    cfg = EngineConfig(max_model_len=256, max_num_seqs=8, block_size=8,
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=max_num_seqs, block_size=8,
                        max_num_batched_tokens=64, cuda_graphs="eager")
     eng = AREngine(cpu_model(False), cfg, CPU, torch.float32)
     graphs = eng.runner.graphs
@@ -445,16 +445,23 @@ def test_lazy_decode_graphs_run_uncaptured_sizes_eagerly_then_capture_one_per_ca
     eng, graphs, captured = _ar_engine(monkeypatch)
     with torch.inference_mode():
         graphs.warmup(None, [], lazy=True, load_size=1)
-    assert sorted(k[0] for k in graphs.graphs) == [1] and list(graphs.later) == [2, 4, 8]
-    assert graphs.step_size(3) == 4 and graphs.step_size(1) == 1
+    # at load: size 1 and the largest (a step pads up to it until its own size is captured)
+    assert sorted(k[0] for k in graphs.graphs) == [1, 8] and list(graphs.later) == [2, 4]
+    assert graphs.step_size(3) == 8 and graphs.step_size(1) == 1
     n_captures = len(captured)
-    assert _decode(eng, 3) == want  # 3 rows: size 4, queued: eagerly, nothing captured
+    assert _decode(eng, 3) == want  # 3 rows padded to the captured 8: the same tokens
+    assert sorted(k[0] for k in graphs.graphs) == [1, 8]  # (its sampler head: on first use)
+    n_captures = len(captured)
+    # with no captured larger size, an uncaptured size runs eagerly (say 8 were still queued)
+    graph8 = graphs.graphs.pop((8, False, False))
+    graphs.later = deque([2, 4, 8])
+    assert graphs.step_size(3) == 4
+    assert _decode(eng, 3) == want  # size 4, queued: eagerly, nothing captured
     assert len(captured) == n_captures and set(graphs.graphs) == {(1, False, False)}
+    graphs.graphs[(8, False, False)] = graph8
+    graphs.later = deque([2, 4])
     assert graphs.capture_next() == 2 and (2, False, False) in graphs.graphs
-    assert graphs.pending_captures() == 2
-    graphs.later = deque([8, 4])  # say 8 came first: a 3-row step pads up to it
-    assert graphs.capture_next() == 8 and graphs.step_size(3) == 8
-    assert _decode(eng, 3) == want  # padded to the captured 8: the same tokens
+    assert graphs.pending_captures() == 1 and graphs.step_size(3) == 8
     assert graphs.capture_next() == 4 and graphs.step_size(3) == 4
     assert graphs.capture_next() is None and graphs.pending_captures() == 0
     assert set(graphs.graphs) == set(full.graphs)
@@ -489,10 +496,10 @@ def test_ar_stage_lazy_plan_captures_only_when_idle(monkeypatch):
     import dataclasses
 
     from omnistage.runtime.stage import ARStageWorker
-    eng, graphs, _ = _ar_engine(monkeypatch)
+    eng, graphs, _ = _ar_engine(monkeypatch, max_num_seqs=16)
     eng.runner.config = dataclasses.replace(eng.runner.config, graph_warmup_plan="lazy")
     eng.runner.warmup_graphs([SamplingParams(temperature=0)])
-    assert sorted({k[0] for k in graphs.graphs}) == [1, 2, 4] and list(graphs.later) == [8]
+    assert sorted({k[0] for k in graphs.graphs}) == [1, 2, 4, 16] and list(graphs.later) == [8]
     worker = ARStageWorker("llm", eng)
     from omnistage.engine.ar.sequence import Sequence
     eng.add_request(Sequence("busy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2),

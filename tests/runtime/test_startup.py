@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from omnistage import OmniLLM
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.runtime import startup
@@ -19,8 +21,11 @@ def test_phases_nest_and_add_up():
                 pass
         with startup.phase("b"):
             pass
-    assert set(phases) == {"a", "a.x", "b", "total"}
+    assert set(phases) == {"a", "a.x", "b", "total", "other"}
     assert 0 <= phases["a.x"] <= phases["a"] <= phases["total"]
+    # what no top-level phase covers: the rest of the total
+    assert phases["other"] == pytest.approx(phases["total"] - phases["a"] - phases["b"],
+                                            abs=1e-9)
     with startup.phase("outside"):  # no recording under way: nothing kept, nothing raised
         pass
     assert "outside" not in phases

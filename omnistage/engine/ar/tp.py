@@ -8,6 +8,8 @@ additive rows) and the rows whose logits it takes; a graphed decode step carries
 graphs' static int inputs (DecodeGraphs' layout, copied device to device: a step launched
 ahead sends the ids rank 0 sampled on the device) and its staged rows. Every rank then runs the
 same collectives in the same order: the forward's all-reduces, and the logits all-gather.
+(On CUDA ranks with peer access the small all-reduces may be one-shot kernels over symmetric
+memory instead of NCCL's: the tp_all_reduce engine option, layers/symm_all_reduce.py.)
 Captures (and their warm-up runs) happen at the same step on every rank: the graphs' keys are
 the same. Media encoders run on rank 0 only (their rows travel in the message).
 
@@ -49,6 +51,7 @@ from omnistage.config import env
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.interface import ForwardBatch
 from omnistage.layers.parallel import TensorParallel, new_group, tensor_parallel
+from omnistage.layers.symm_all_reduce import resolve_mode
 
 log = logging.getLogger("omnistage.tp")
 
@@ -282,6 +285,7 @@ class RankSetup:
     device: str
     timeout_s: float
     num_threads: int  # torch intra-op threads of a CPU rank (0: torch's default)
+    all_reduce: str = "nccl"  # the group's all-reduce mode (symm_all_reduce.resolve_mode)
 
 
 @dataclass(frozen=True)
@@ -310,7 +314,7 @@ def _join_and_build(setup: RankSetup, build: Callable[..., Any], args: tuple):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = new_group(setup.backend, setup.rank, setup.size, setup.host, setup.port,
-                   setup.timeout_s)
+                   setup.timeout_s, setup.all_reduce, device)
     with tensor_parallel(tp):
         runner = build(*args, device)
     if getattr(runner, "tp", None) is not tp:
@@ -509,12 +513,14 @@ class TPWorkers:
 
 
 def start_workers(size: int, devices: list[torch.device], build: Callable[..., Any],
-                  args: tuple, timeout_s: float = DEFAULT_TIMEOUT_S
-                  ) -> tuple[TensorParallel, TPWorkers]:
+                  args: tuple, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  all_reduce: str = "nccl") -> tuple[TensorParallel, TPWorkers]:
     """Start ranks 1..size-1 (each calls build(*args, its device) inside its group and returns
     the stage's ModelRunner, then follows rank 0), and join the group as rank 0. The caller
-    builds rank 0's stage inside tensor_parallel(tp), then calls workers.wait_ready()."""
+    builds rank 0's stage inside tensor_parallel(tp), then calls workers.wait_ready().
+    all_reduce: the tp_all_reduce option (resolved here, once, for every rank)."""
     backend = check_devices(size, devices)
+    all_reduce = resolve_mode(all_reduce, devices)
     if backend == "nccl":
         env.nccl_device_rules()  # NVLink multicast off, for this process and the spawned ranks
     host = "127.0.0.1"
@@ -523,7 +529,7 @@ def start_workers(size: int, devices: list[torch.device], build: Callable[..., A
     workers = _acquire(size - 1)
     for rank, w in enumerate(workers, 1):
         w.conn.send((RankSetup(rank, size, backend, host, port, str(devices[rank]), timeout_s,
-                               threads), build, args))
-    tp = new_group(backend, 0, size, host, port, timeout_s)
+                               threads, all_reduce), build, args))
+    tp = new_group(backend, 0, size, host, port, timeout_s, all_reduce, devices[0])
     handle = TPWorkers(tp, workers, devices[0])
     return tp, handle

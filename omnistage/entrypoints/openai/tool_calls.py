@@ -5,13 +5,14 @@ the system turn and asks for calls as
     </tool_call>
 ): the grammar of a forced call (tool_choice "required" or a named function), the structured
 output of response_format, and the parsers that turn the model's text into OpenAI `tool_calls`
-(whole, or as stream deltas)."""
+(whole, as stream deltas of whole calls, or incrementally: arguments as they are generated)."""
 
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from omnistage.entrypoints.openai.protocol import APIError, ChatCompletionRequest, Tool
@@ -215,3 +216,248 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+# ------------------------------------------------------------------ incremental parsing
+@dataclass
+class ContentPiece:
+    """Text outside calls."""
+
+    text: str
+
+
+@dataclass
+class CallStarted:
+    """A call's head was recognised: its id and name, before any of its arguments."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class ArgumentsPiece:
+    """The next piece of the streaming call's arguments (raw JSON text, as generated)."""
+
+    index: int
+    text: str
+
+
+@dataclass
+class CallEnded:
+    """The call's arguments are whole (`complete`), or the answer ended inside them."""
+
+    index: int
+    arguments: str  # every ArgumentsPiece of the call, concatenated
+    complete: bool
+
+
+ToolCallEvent = ContentPiece | CallStarted | ArgumentsPiece | CallEnded
+# the head of a call that streams: `{"name": <string>, "arguments": {` (JSON whitespace between)
+_HEAD_STEPS = ("{", '"name"', ":", None, ",", '"arguments"', ":", "{")  # None: a JSON string
+_JSON_SPACE = " \t\n\r"
+
+
+def _call_head(text: str) -> tuple[str, str | None, int]:
+    """("yes", name, index of the arguments' `{`), ("maybe", None, 0) while `text` may still
+    become such a head, ("no", None, 0) once it cannot."""
+    i, name = 0, None
+    for step in _HEAD_STEPS:
+        while i < len(text) and text[i] in _JSON_SPACE:
+            i += 1
+        if i == len(text):
+            return "maybe", None, 0
+        if step is None:
+            end = _string_end(text, i)
+            if end is None:
+                return ("maybe", None, 0) if text[i] == '"' else ("no", None, 0)
+            try:
+                name = json.loads(text[i:end])
+            except json.JSONDecodeError:
+                return "no", None, 0
+            i = end
+            continue
+        part = text[i:i + len(step)]
+        if not step.startswith(part):
+            return "no", None, 0
+        if len(part) < len(step):
+            return "maybe", None, 0
+        i += len(step)
+    return "yes", name, i - 1
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index past the JSON string that starts at text[i] (a quote); None if unclosed."""
+    if text[i] != '"':
+        return None
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+            continue
+        if text[j] == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+class IncrementalToolCallParser:
+    """Streaming, with arguments as they are generated: text deltas in, ToolCallEvents out.
+
+    Text outside calls streams as ContentPiece (a possible start of `<tool_call>` is held back,
+    and so is the whitespace before one). Once a block's head `{"name": "...", "arguments": {`
+    is recognised, CallStarted gives the call's id and name, then every feed gives at most one
+    ArgumentsPiece (the arguments' JSON object text it brought), and CallEnded comes as soon as
+    that object closes (braces counted outside JSON strings); the rest up to `</tool_call>`
+    (`}` and whitespace) is dropped. A block whose head is another layout (e.g. "arguments"
+    first, or arguments written as a JSON string) is parsed whole when it closes, like
+    parse_tool_calls: one call (start, its whole arguments, end), or content if it is none.
+    finish() flushes: an unclosed block that never became a call is content; a call cut inside
+    its arguments ends with complete=False."""
+
+    def __init__(self) -> None:
+        self.buffer = ""  # text not yet decided
+        self.state = "text"  # text | head | args | tail | block
+        self.num_calls = 0
+        self.arguments = ""  # the streaming call's arguments so far
+        self._held = ""  # whitespace before a `<tool_call>` (dropped if it opens a call)
+        self._after_call = False  # whitespace right after a call is dropped
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    @property
+    def call_open(self) -> bool:
+        """Inside a `<tool_call>` block (a call's text is not content, and not said)."""
+        return self.state != "text"
+
+    def feed(self, text: str) -> list[ToolCallEvent]:
+        self.buffer += text
+        out: list[ToolCallEvent] = []
+        while getattr(self, "_" + self.state)(out):
+            pass
+        return out
+
+    def finish(self) -> list[ToolCallEvent]:
+        out: list[ToolCallEvent] = []
+        if self.state in ("head", "block"):
+            self._content(out, self._held + CALL_OPEN + self.buffer)
+        elif self.state == "args":
+            out.append(CallEnded(self.num_calls - 1, self.arguments, complete=False))
+        elif self.state == "text":
+            self._content(out, self.buffer)
+        self.buffer, self._held, self.state = "", "", "text"
+        return out
+
+    # each state's step: True when it changed state and the loop goes on
+    def _text(self, out: list[ToolCallEvent]) -> bool:
+        if self._after_call:
+            self.buffer = self.buffer.lstrip()
+            if not self.buffer:
+                return False
+            self._after_call = False
+        start = self.buffer.find(CALL_OPEN)
+        if start < 0:
+            keep = _partial_suffix(self.buffer, CALL_OPEN)
+            self._content(out, self.buffer[:len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+            return False
+        before = self.buffer[:start]
+        said = before.rstrip()
+        self._content(out, said)
+        self._held = before[len(said):]
+        self.buffer, self.state = self.buffer[start + len(CALL_OPEN):], "head"
+        return True
+
+    def _head(self, out: list[ToolCallEvent]) -> bool:
+        status, name, at = _call_head(self.buffer)
+        if status == "maybe" and CALL_CLOSE not in self.buffer:
+            return False
+        if status != "yes":
+            self.state = "block"
+            return True
+        self._held = ""
+        out.append(CallStarted(self.num_calls, f"call_{uuid.uuid4().hex[:24]}", name))
+        self.num_calls += 1
+        self.arguments, self.buffer, self.state = "", self.buffer[at:], "args"
+        self._depth, self._in_string, self._escaped = 0, False, False
+        return True
+
+    def _args(self, out: list[ToolCallEvent]) -> bool:
+        end = None
+        for i, ch in enumerate(self.buffer):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+        piece = self.buffer if end is None else self.buffer[:end]
+        if piece:
+            self.arguments += piece
+            out.append(ArgumentsPiece(self.num_calls - 1, piece))
+        self.buffer = self.buffer[len(piece):]
+        if end is None:
+            return False
+        out.append(CallEnded(self.num_calls - 1, self.arguments, complete=True))
+        self.state = "tail"
+        return True
+
+    def _tail(self, out: list[ToolCallEvent]) -> bool:
+        """After the arguments: `}`, whitespace and `</tool_call>` are dropped; anything else
+        ends the block there (it goes on as text)."""
+        rest = self.buffer.lstrip(_JSON_SPACE)
+        if rest.startswith("}"):
+            rest = rest[1:].lstrip(_JSON_SPACE)
+        if rest.startswith(CALL_CLOSE):
+            self.buffer, self.state, self._after_call = rest[len(CALL_CLOSE):], "text", True
+            return True
+        if CALL_CLOSE.startswith(rest):  # (empty, or a part of the closing tag)
+            return False
+        self.buffer, self.state = rest, "text"
+        return True
+
+    def _block(self, out: list[ToolCallEvent]) -> bool:
+        end = self.buffer.find(CALL_CLOSE)
+        if end < 0:
+            return False
+        call = _call(self.buffer[:end])
+        if call is None:
+            self._content(out, self._held + CALL_OPEN + self.buffer[:end + len(CALL_CLOSE)])
+        else:
+            i, args = self.num_calls, call["function"]["arguments"]
+            self.num_calls += 1
+            out += [CallStarted(i, call["id"], call["function"]["name"]),
+                    ArgumentsPiece(i, args), CallEnded(i, args, complete=True)]
+            self._after_call = True
+        self._held = ""
+        self.buffer, self.state = self.buffer[end + len(CALL_CLOSE):], "text"
+        return True
+
+    def _content(self, out: list[ToolCallEvent], text: str) -> None:
+        if text:
+            out.append(ContentPiece(text))
+
+
+def chat_tool_deltas(events: list[ToolCallEvent]) -> list[dict[str, Any]]:
+    """IncrementalToolCallParser's events as chat completion chunk deltas (`content`, then per
+    call its id, type and name with empty arguments, then its argument pieces)."""
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        if isinstance(ev, ContentPiece):
+            out.append({"content": ev.text})
+        elif isinstance(ev, CallStarted):
+            out.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                        "function": {"name": ev.name, "arguments": ""}}]})
+        elif isinstance(ev, ArgumentsPiece):
+            out.append({"tool_calls": [{"index": ev.index,
+                                        "function": {"arguments": ev.text}}]})
+    return out

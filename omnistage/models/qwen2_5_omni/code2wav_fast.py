@@ -14,8 +14,8 @@ ODE state hoisted out of the 36 evaluations:
 It reads its inputs only from tensors and does no host synchronisation, so one call can be
 captured in a CUDA graph. The ODE state stays float32 whatever the DiT's compute dtype.
 The DiT runs as three pure step functions (input, layer, output; see the NOTE below them), run
-eagerly or, with `compiled=True`, through torch.compile (inductor, static shapes) so that the
-norms, modulation, rotary, activations and residuals fuse around the GEMMs and attention.
+eagerly or, with `compiled=True`, through torch.compile (inductor; shapes: _compiled_steps) so
+that the norms, modulation, rotary, activations and residuals fuse around the GEMMs and attention.
 """
 
 from __future__ import annotations
@@ -194,13 +194,20 @@ class Qwen2_5OmniFastDiT:
         noise [R, W, mel] float32; codes [R, W / repeats] long; spk [R, 2, enc_dim];
         cond [R, enc_emb_dim]; start [R] long (absolute frame of index 0); nvalid [R] long
         (frames [0, nvalid) are real). Row r equals its window decoded alone, unpadded.
-        compiled: run the DiT through the inductor-compiled step functions (see _compiled_steps;
-        each new input shape compiles once, so keep the set of shapes small, e.g. graph buckets).
+        compiled: run the DiT through the inductor-compiled step functions (see _compiled_steps
+        on which new shapes recompile).
         """
         state = self.begin(noise, codes, spk, cond, start, nvalid)
         for i in range(len(self.widths)):
             self.interval(state, i, compiled)
         return state.x
+
+    def compile_for(self, noise: torch.Tensor, codes: torch.Tensor, spk: torch.Tensor,
+                    cond: torch.Tensor, start: torch.Tensor, nvalid: torch.Tensor) -> None:
+        """Compile the step functions for sample's input shapes (or find them compiled): one
+        evaluation, not the 36 of the whole ODE."""
+        state = self.begin(noise, codes, spk, cond, start, nvalid)
+        self.velocity(state.x, 0, state.static, state.rope, state.masks, state.keep, True)
 
     def begin(self, noise: torch.Tensor, codes: torch.Tensor, spk: torch.Tensor,
               cond: torch.Tensor, start: torch.Tensor, nvalid: torch.Tensor) -> DiTState:
@@ -311,14 +318,19 @@ _COMPILED: tuple = ()
 
 
 def _compiled_steps() -> tuple:
-    """(_dit_in, _dit_layer, _dit_out) compiled by inductor at static shapes (built once)."""
+    """(_dit_in, _dit_layer, _dit_out) compiled by inductor (built once).
+
+    NOTE (shapes): dynamo's automatic dynamic shapes: the first (bucket, width) compiles at
+    static shapes, and a dim that changes (the width, then the batch) recompiles once as a
+    symbolic size, so every later (bucket, width) reuses that code (batch 1 keeps its own:
+    size-1 dims specialize). Static shapes compiled each of the ~45 graphed shapes anew, which
+    was most of code2wav's start-up."""
     global _COMPILED
     if not _COMPILED:
-        # every (bucket, width) is a recompile of the same three functions: allow them all
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        setattr(cfg, name, max(getattr(cfg, name), 256))
-        _COMPILED = tuple(torch.compile(f, fullgraph=True, dynamic=False)
+        setattr(cfg, name, max(getattr(cfg, name), 64))
+        _COMPILED = tuple(torch.compile(f, fullgraph=True, dynamic=None)
                           for f in (_dit_in, _dit_layer, _dit_out))
     return _COMPILED
 

@@ -10,8 +10,9 @@
     graph per RK4 interval (9), captured lazily into a shared memory pool; run back to back, or
     in parts with other shapes' graphs between them (begin_job). By default the DiT's step functions
     inside these graphs are inductor-compiled (code2wav_fast._compiled_steps): norms, modulation,
-    rotary, activations and residuals fuse around the GEMMs and attention, one compile per
-    (bucket, width) shared by all 22 layers, done in the warm-up run before the capture.
+    rotary, activations and residuals fuse around the GEMMs and attention, compiled once for
+    all 22 layers and (after a dim first changes) every later (bucket, width), on one
+    evaluation before the capture.
   - BigVGAN: its convs pad at the sequence's ends, so padding would change the result. Spans of
     the standard length (chunk + both overlaps) and chunk 0's span run as graphs per (bucket,
     length); other spans (the utterance's last chunk, tiny utterances) run eagerly.
@@ -302,7 +303,11 @@ class Qwen2_5OmniCode2WavDecoder:
     def _compile_or_fall_back(self, inputs: dict[str, torch.Tensor]) -> None:
         # compile this shape before the capture; where inductor cannot build, the graphs stay
         # uncompiled (GraphCache.compile_or_fall_back warns)
-        if not self.graphs.compile_or_fall_back(lambda: self._dit(inputs, True), "the DiT"):
+        def compile_run() -> None:
+            with _matmul_tf32(self.tf32):
+                self.fast.compile_for(*(inputs[k] for k in DIT_INPUTS))
+
+        if not self.graphs.compile_or_fall_back(compile_run, "the DiT"):
             self.compile = False
 
     def voc_graph(self, bucket: int, length: int) -> SegmentGraph:

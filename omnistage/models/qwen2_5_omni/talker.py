@@ -28,7 +28,9 @@ from torch import nn
 
 from omnistage.engine.ar.sequence import MediaSpan, Sequence
 from omnistage.engine.ar.interface import ForwardBatch, merge_inputs
-from omnistage.models.layers import DecoderConfig, DecoderForCausalLM, DecoderModel
+from omnistage.layers.parallel import current_tp
+from omnistage.models.layers import (DecoderConfig, DecoderForCausalLM, DecoderModel,
+                                     parallel_lm_head)
 from omnistage.models.registry import register_adapter, register_model
 from omnistage.sampling_params import SamplingParams
 
@@ -44,17 +46,28 @@ class Qwen2_5OmniTalkerForCausalLM(DecoderForCausalLM):
         nn.Module.__init__(self)
         self.config = DecoderConfig.from_hf(dict(talker_config, tie_word_embeddings=False),
                                             attention_bias=True)
+        self.tp = current_tp()
         embed_dim = talker_config["embedding_size"]
         self.model = DecoderModel(self.config, embed_dim=embed_dim)
+        # NOTE (tensor parallelism): the codec embedding and head split over the codec
+        # vocabulary, the decoder as a causal LM's; the input projection stays whole on every
+        # rank (embedding_size x hidden: small beside the decoder), fed the full rows that the
+        # embedding's all-reduce and the step message give every rank
         self.thinker_to_talker_proj = nn.Linear(embed_dim, self.config.hidden_size)
-        self.codec_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.codec_head = parallel_lm_head(self.config.hidden_size, self.config.vocab_size,
+                                           self.model.embed_tokens, self.tp, tied=False)
         self.codec_ids, self.text_ids = talker_token_ids(talker_config)
 
     def tie_weights(self) -> None:
         pass
 
+    @classmethod
+    def supports_tensor_parallel(cls) -> bool:
+        return True  # its forward embeds through the (collective) vocab-parallel table
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = merge_inputs(self.embed(batch.input_ids), batch)  # [T, embedding_size]
+        # the module call: collective under tensor parallelism (embed() is a local lookup)
+        x = merge_inputs(self.input_embedding(batch.input_ids), batch)  # [T, embedding_size]
         return self.model(self.thinker_to_talker_proj(x), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

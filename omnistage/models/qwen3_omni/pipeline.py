@@ -162,7 +162,7 @@ class Qwen3OmniPipeline(ThinkerTalkerPipeline):
                 list(seq.prompt_token_ids), adapter.user.tolist(), self.token_ids["tts_pad"],
                 processed, self.talker_rope)
         talker_seq = talker_sequence(seq.request_id, adapter, c["codec_pad_id"], positions,
-                                     delta, tp, tseed)
+                                     delta, tp, tseed, seq.media)
         to_code2wav = ADAPTER_REGISTRY[self.roles["code2wav"].inputs[0].adapter](self.codec_eos)
         self._route_audio(req, adapter, talker_seq, to_code2wav, Qwen3OmniCode2WavRequest(),
                           SAMPLE_RATE)

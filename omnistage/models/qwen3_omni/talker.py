@@ -14,19 +14,32 @@ Decode step j feeds frame j (codebook 0's embedding + the sum of codebooks 1..K-
 predictor embeddings: the engine adds those) plus text row j: the embedding of reply token
 j + 1 through text_projection, <tts_eos> in place of the reply's last token, <tts_pad> after.
 Reply rows are token embeddings, not hidden states, so a reply token's row exists as soon as
-the thinker samples it."""
+the thinker samples it.
+
+NOTE (prefix cache): a user-turn position's KV is set by its row and position, and both by the
+thinker prompt up to that position (a token's embedding; a placeholder's hidden state, which
+sees everything before it, system and earlier assistant turns included). So the talker's hash
+(talker_prefix_key) takes, per user-turn position, the thinker's id there, the thinker tokens
+dropped just before it (a span keyed by their ids and media) and the thinker's media mapped to
+talker positions: two talker prompts hash alike as far as the thinker prompts agree up to the
+last user position hashed. A later turn's talker prompt begins with the earlier turns' user
+rows, so it hits their blocks. From the assistant rows on (voice, reply) a span unique to the
+request keeps the blocks private."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.ar.interface import DecoderContract, ForwardBatch, merge_inputs
 from omnistage.engine.ar.sampler import SamplerState, SamplingTensors
-from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.ar.sequence import MediaSpan, Sequence
 from omnistage.layers.moe_decoder import MoEDecoderConfig, MoEDecoderModel, load_named_tensors
 from omnistage.models.registry import register_adapter, register_model
 from omnistage.sampling_params import SamplingParams
@@ -409,16 +422,47 @@ class Qwen3OmniTalkerToCode2Wav:
         code2wav_worker.add_input(request_id, msg.codes, msg.finished)
 
 
+def talker_prefix_key(adapter: Qwen3OmniThinkerToTalker, thinker_media: list[MediaSpan]
+                      ) -> tuple[list[int], list[MediaSpan]]:
+    """(hash_token_ids, media) of the talker's prefix-cache key (module note): per user-turn
+    talker position i (thinker position u_i), the thinker id at u_i; a span at i keyed by the
+    thinker tokens in (u_{i-1}, u_i) when there are any (dropped turns: ids and media); the
+    thinker's media spans at the talker positions of their placeholders; and a private span over
+    the assistant rows and what follows."""
+    user = adapter.user.tolist()
+    ids = [adapter.prompt_ids[u] for u in user]
+    talker_at = {u: i for i, u in enumerate(user)}
+    media: list[MediaSpan] = []
+    previous = -1
+    for i, u in enumerate(user):
+        if u > previous + 1:  # thinker tokens the talker does not see come before this row
+            h = hashlib.blake2b(digest_size=16)
+            h.update(np.asarray(adapter.prompt_ids[previous + 1:u], dtype=np.int64).tobytes())
+            for m in thinker_media:
+                if m.start < u and m.end > previous + 1:
+                    h.update((m.start - previous - 1).to_bytes(8, "little", signed=True))
+                    h.update(m.content_hash)
+            media.append(MediaSpan(i, i + 1, h.digest()))
+        previous = u
+    for m in thinker_media:
+        inside = [talker_at[t] for t in range(m.start, m.end) if t in talker_at]
+        if inside:  # (placeholders are in user turns: one run of talker positions)
+            media.append(MediaSpan(inside[0], inside[-1] + 1, m.content_hash))
+    media.append(MediaSpan(len(user), 1 << 62, os.urandom(16)))
+    return ids, media
+
+
 def talker_sequence(request_id: str, adapter: Qwen3OmniThinkerToTalker, codec_pad_id: int,
                     positions: torch.Tensor | None, rope_delta: int, params: SamplingParams,
-                    seed: int) -> Sequence:
+                    seed: int, thinker_media: list[MediaSpan]) -> Sequence:
     """The talker request of a thinker request (fed by `adapter`): its prompt ids are
     placeholders (every prompt row is replaced), which the repetition penalty skips, as
     transformers' talker penalises generated codes only. positions: [3, talker prompt len]
-    (None: sequential)."""
+    (None: sequential). The prefix cache sees it through talker_prefix_key (module note)."""
     n = adapter.talker_prompt_len
     if positions is None:
         positions = torch.arange(n).expand(3, -1).clone()
+    hash_ids, media = talker_prefix_key(adapter, thinker_media)
     return Sequence(request_id, [codec_pad_id] * n, params, seed, mrope_positions=positions,
-                    rope_delta=rope_delta, input_source=adapter, cacheable=False,
-                    penalize_prompt=False)
+                    rope_delta=rope_delta, input_source=adapter, media=media,
+                    hash_token_ids=hash_ids, penalize_prompt=False)

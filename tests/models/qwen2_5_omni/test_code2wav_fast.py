@@ -379,6 +379,33 @@ def test_compiled_steps_equal_eager(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert diff < 1e-5, diff
 
 
+def test_compiled_steps_reuse_code_across_shapes(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # automatic dynamic shapes: once the width and the batch have each changed, a new
+    # (bucket, width) runs the code compiled already (no new dynamo frame) and still equals eager
+    from torch._dynamo.utils import counters
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    stream = _stream(t2w, 1, 70)
+
+    def run(bucket: int, width: int) -> torch.Tensor:
+        buf = dec.new_dit_inputs(bucket, width)
+        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
+        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        dec.fast.compile_for(*args)
+        compiled = dec.fast.sample(*args, compiled=True)
+        diff = float((compiled - dec.fast.sample(*args)).abs().max())
+        assert compiled[:2].abs().max() > 1.0 and diff < 1e-5, (bucket, width, diff)
+        return compiled
+
+    with torch.inference_mode():
+        # (widths that are not multiples of 16: SDPA's masks are padded to 16, and a padded
+        # stride against an unpadded one is a guard of its own)
+        for bucket, width in ((3, 104), (3, 120), (5, 120)):
+            run(bucket, width)
+        frames = counters["stats"]["unique_graphs"]
+        run(6, 104)
+    assert counters["stats"]["unique_graphs"] == frames
+
+
 def _cuda_streams(t2w: Qwen2_5OmniToken2Wav, requests: tuple[tuple[int, int], ...]
                   ) -> tuple[Qwen2_5OmniToken2Wav, list[Qwen2_5OmniCode2WavStream]]:
     """A CUDA copy of the model and a finished stream per (seed, codes) on it."""

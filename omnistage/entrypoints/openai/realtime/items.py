@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.entrypoints.openai.tool_calls import ToolCallStream
+from omnistage.entrypoints.openai.tool_calls import IncrementalToolCallParser
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Response:
     cached_tokens: int = 0
     # tools: the parser of the model's text (None: no tools), whether the answer must be one
     # call (tool_choice required / a named function), the calls made, the message's index
-    tools: ToolCallStream | None = None
+    tools: IncrementalToolCallParser | None = None
     forced: bool = False
     calls: list[CallItem] = field(default_factory=list)
     message_index: int | None = None

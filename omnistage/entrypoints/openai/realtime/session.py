@@ -43,7 +43,7 @@ from omnistage.entrypoints.openai.realtime.transcription import (InputTranscribe
                                                                  check_transcription)
 from omnistage.entrypoints.openai.realtime.vad import TurnDetector
 from omnistage.entrypoints.openai.serving import ServerState, build_sampling, to_pcm16
-from omnistage.entrypoints.openai.tool_calls import CALL_OPEN, ToolCallStream
+from omnistage.entrypoints.openai.tool_calls import ContentPiece, IncrementalToolCallParser
 from omnistage.models.qwen2_5_omni.media import resample
 
 __all__ = ["AudioClock", "RealtimeLimits", "RealtimeSession"]  # (routes imports them here)
@@ -380,7 +380,7 @@ class RealtimeSession:
         resp = Response(_id("resp"), item, modalities, cfg.audio.output.voice, max_tokens,
                         forced=forced is not None)
         if rt_tools.tools_active(cfg):
-            resp.tools = ToolCallStream()
+            resp.tools = IncrementalToolCallParser()
         prompt: dict[str, Any] = {"messages": rt_tools.session_messages(self.items,
                                                                          instructions, cfg)}
         if resp.voice is not None and item.audio:
@@ -454,7 +454,8 @@ class RealtimeSession:
                         self.clock.observe(item.audio_samples, item.codes)
                     if resp.tools is not None and not out.error:
                         await self._tool_text(resp, resp.tools.finish())
-                        if resp.forced and not resp.calls:  # (cut off before its end)
+                        if (resp.forced and not resp.calls) or any(  # (cut off)
+                                c.status == "incomplete" for c in resp.calls):
                             resp.status, resp.reason = "incomplete", "max_output_tokens"
         except ValueError as e:  # the request was refused (e.g. the conversation is too long)
             resp.status, resp.error = "failed", str(e)
@@ -479,7 +480,7 @@ class RealtimeSession:
         elif out.text_delta:
             await self._text(resp, out.text_delta)
         if out.audio is not None and len(out.audio) and item.audio and not (
-                resp.tools is not None and (resp.calls or CALL_OPEN in resp.tools.buffer)):
+                resp.tools is not None and (resp.calls or resp.tools.call_open)):
             # (with tools, audio stops where a call begins: a call is not said)
             await self._open_message(resp)
             wave = out.audio
@@ -499,21 +500,14 @@ class RealtimeSession:
         await self.send({"type": kind, **self._where(resp), "content_index": 0,
                          "delta": text})
 
-    async def _tool_text(self, resp: Response, deltas: list[dict[str, Any]]) -> None:
-        """The tool parser's output: text for the message, whole calls (chat's deltas: a
-        call's id and name, then its arguments)."""
-        pending: dict[str, Any] | None = None  # a call's id and name, until its arguments
-        for d in deltas:
-            if d.get("content") and not resp.forced:
-                await self._text(resp, d["content"])
-            for c in d.get("tool_calls", []):
-                if "id" in c:
-                    pending = c
-                elif pending is not None:
-                    await rt_tools.send_call(self.send, resp, self.items, pending["id"],
-                                             pending["function"]["name"],
-                                             c["function"]["arguments"])
-                    pending = None
+    async def _tool_text(self, resp: Response, events: list) -> None:
+        """The tool parser's events: text for the message (none for a forced call), calls as
+        their arguments stream (tools.send_call_event: OpenAI's events of a call)."""
+        for ev in events:
+            if not isinstance(ev, ContentPiece):
+                await rt_tools.send_call_event(self.send, resp, self.items, ev)
+            elif not resp.forced:
+                await self._text(resp, ev.text)
 
     async def cancel_response(self, reason: str) -> None:
         """Abort the response in every stage (AsyncOmniLLM.abort, then the consumer task is
@@ -539,6 +533,7 @@ class RealtimeSession:
         self.state.release()
         item = resp.item
         item.status = "completed" if resp.status == "completed" else "incomplete"
+        rt_tools.end_open_calls(resp)  # (cancelled inside a call)
         if resp.status == "cancelled" and item.audio and not resp.calls:
             self._cut_transcript(item, item.audio_samples)  # text past the audio: not said
         if resp.message_index is None and not resp.calls and not resp.forced:

@@ -1,6 +1,7 @@
 """Function tools in a Realtime session, on the chat path's pieces (tool_calls.py): the
 session's tools are checked and a forced call's grammar is built exactly as chat does for the
-same functions; the model's `<tool_call>` blocks are parsed by chat's streaming parser.
+same functions; the model's `<tool_call>` blocks are parsed as they stream
+(tool_calls.IncrementalToolCallParser): a call's arguments go out as they are generated.
 
 The omni models' chat templates have no tool layout (their pipelines refuse `tools`), so the
 conversation is rendered here in Qwen2.5's tool layout, as its template writes it:
@@ -22,8 +23,10 @@ from omnistage.entrypoints.openai.realtime.items import (CallItem, CallOutputIte
                                                          Response, new_id)
 from omnistage.entrypoints.openai.realtime.protocol import (RealtimeProtocolError,
                                                             SessionConfig)
-from omnistage.entrypoints.openai.tool_calls import (CALL_CLOSE, CALL_OPEN, call_arguments,
-                                                     check_tools, forced, forced_call_output)
+from omnistage.entrypoints.openai.tool_calls import (CALL_CLOSE, CALL_OPEN, ArgumentsPiece,
+                                                     CallEnded, CallStarted, ToolCallEvent,
+                                                     call_arguments, check_tools, forced,
+                                                     forced_call_output)
 from omnistage.sampling_params import StructuredOutput
 
 _TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query."
@@ -138,27 +141,46 @@ def render_conversation(items: list, system: str | None) -> list[dict[str, Any]]
     return out
 
 
-async def send_call(send: Callable[[dict[str, Any]], Awaitable[None]], resp: Response,
-                    items: list, call_id: str, name: str, arguments: str) -> None:
-    """One parsed call of a response: its function_call item (added to the conversation), its
-    arguments (whole: the call's block has closed), and its end, in OpenAI's order."""
-    item = CallItem(new_id("item"), call_id, name, "", status="in_progress")
-    index, previous = len(resp.output_items()), items[-1].id if items else None
-    resp.calls.append(item)
-    await send({"type": "response.output_item.added", "response_id": resp.id,
-                "output_index": index, "item": item.event_item()})
-    items.append(item)
-    await send({"type": "conversation.item.added", "previous_item_id": previous,
-                "item": item.event_item()})
+async def send_call_event(send: Callable[[dict[str, Any]], Awaitable[None]], resp: Response,
+                          items: list, ev: ToolCallEvent) -> None:
+    """One call event of the parser, in OpenAI's order: CallStarted -> the function_call item
+    (its name and call_id, no arguments yet; added to the conversation), each ArgumentsPiece ->
+    response.function_call_arguments.delta, CallEnded -> .done with the whole arguments, then
+    the item's end (status incomplete when the answer stopped inside the arguments)."""
+    if isinstance(ev, CallStarted):
+        item = CallItem(new_id("item"), ev.id, ev.name, "", status="in_progress")
+        index, previous = len(resp.output_items()), items[-1].id if items else None
+        resp.calls.append(item)
+        await send({"type": "response.output_item.added", "response_id": resp.id,
+                    "output_index": index, "item": item.event_item()})
+        items.append(item)
+        await send({"type": "conversation.item.added", "previous_item_id": previous,
+                    "item": item.event_item()})
+        return
+    item = resp.calls[-1]  # (the parser streams one call at a time)
+    index = next(i for i, it in enumerate(resp.output_items()) if it is item)
     where = {"response_id": resp.id, "item_id": item.id, "output_index": index,
              "call_id": item.call_id}
-    await send({"type": "response.function_call_arguments.delta", **where, "delta": arguments})
-    item.arguments, item.status = arguments, "completed"
-    await send({"type": "response.function_call_arguments.done", **where, "name": item.name,
-                "arguments": item.arguments})
+    if isinstance(ev, ArgumentsPiece):
+        item.arguments += ev.text
+        await send({"type": "response.function_call_arguments.delta", **where,
+                    "delta": ev.text})
+        return
+    if not isinstance(ev, CallEnded):
+        raise TypeError(f"send_call_event: not a call event: {ev!r}")
+    item.arguments, item.status = ev.arguments, "completed" if ev.complete else "incomplete"
+    await send({"type": "response.function_call_arguments.done", **where,
+                "name": item.name, "arguments": item.arguments})
     await send({"type": "response.output_item.done", "response_id": resp.id,
                 "output_index": index, "item": item.event_item()})
     await send({"type": "conversation.item.done", "item": item.event_item()})
+
+
+def end_open_calls(resp: Response) -> None:
+    """A response that ends inside a call (cancelled): the call stays incomplete."""
+    for call in resp.calls:
+        if call.status == "in_progress":
+            call.status = "incomplete"
 
 
 def session_messages(items: list, instructions: str | None, cfg: SessionConfig) -> list[dict]:
