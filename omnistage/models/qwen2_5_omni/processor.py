@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperFeatureExtractor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+if TYPE_CHECKING:  # (imported where first built: DeferredImageProcessor)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
 from omnistage.checkpoint import quiet_transformers
 from omnistage.models.qwen2_5_omni.media import (
@@ -131,23 +136,51 @@ def read_json_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: invalid JSON: {e}") from e
 
 
-def processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(feature extractor dict, image processor dict) from either processor config layout."""
+def processor_dicts(root: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """(feature extractor dict, image processor dict, whether that dict is the legacy merged
+    one: DeferredImageProcessor keeps only the image processor's fields) from either processor
+    config layout."""
     nested = root / "processor_config.json"
     if nested.is_file():
         cfg = read_json_file(nested)
         if "feature_extractor" in cfg and "image_processor" in cfg:
-            return cfg["feature_extractor"], cfg["image_processor"]
+            return cfg["feature_extractor"], cfg["image_processor"], False
     legacy = root / "preprocessor_config.json"
     if legacy.is_file():
         # one dict holds both processors' fields: give each processor its own
         cfg = read_json_file(legacy)
         fe_keys = set(WhisperFeatureExtractor().to_dict())
-        ip_keys = set(Qwen2VLImageProcessorPil().to_dict()) | {"min_pixels", "max_pixels"}
-        return ({k: v for k, v in cfg.items() if k in fe_keys},
-                {k: v for k, v in cfg.items() if k in ip_keys})
+        return {k: v for k, v in cfg.items() if k in fe_keys}, cfg, True
     raise ValueError(f"{root}: no processor config (preprocessor_config.json or "
                      "processor_config.json with feature_extractor and image_processor)")
+
+
+@dataclass
+class DeferredImageProcessor:
+    """The checkpoint's image processor, built on first use.
+
+    NOTE (why deferred): transformers' image processor module imports its modeling stack
+    (modeling_utils, DTensor, ...): 2-9 s of a server's start-up, for a processor that only
+    requests with images or video need."""
+
+    config: dict[str, Any]
+    merged: bool  # the legacy preprocessor_config.json: keep the image processor's fields
+    _built: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self) -> Qwen2VLImageProcessorPil:
+        with self._lock:
+            if self._built is None:
+                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                    Qwen2VLImageProcessorPil,
+                )
+                cfg = self.config
+                if self.merged:
+                    keys = set(Qwen2VLImageProcessorPil().to_dict()) | {"min_pixels",
+                                                                       "max_pixels"}
+                    cfg = {k: v for k, v in cfg.items() if k in keys}
+                self._built = Qwen2VLImageProcessorPil.from_dict(cfg)
+            return self._built
 
 
 def video_processor_dict(root: Path) -> dict[str, Any]:
@@ -206,7 +239,8 @@ class Qwen2_5OmniInputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase,
                  feature_extractor: WhisperFeatureExtractor,
-                 image_processor: Qwen2VLImageProcessorPil, chat_template: str,
+                 image_processor: Qwen2VLImageProcessorPil | DeferredImageProcessor,
+                 chat_template: str,
                  rope_config: Qwen2_5OmniRopeConfig, *,
                  max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
@@ -216,7 +250,7 @@ class Qwen2_5OmniInputProcessor:
                  allow_local_paths: bool = True) -> None:
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
-        self.image_processor = image_processor
+        self._image_processor = image_processor
         self.chat_template = chat_template
         self.rope_config = rope_config
         window = feature_extractor.n_samples / feature_extractor.sampling_rate
@@ -228,6 +262,11 @@ class Qwen2_5OmniInputProcessor:
         self.allow_local_paths = allow_local_paths
         self.token_ids = {kind: tokenizer.convert_tokens_to_ids(tok)
                           for kind, tok in self.placeholders.items()}
+
+    @property
+    def image_processor(self) -> Qwen2VLImageProcessorPil:
+        ip = self._image_processor
+        return ip.get() if isinstance(ip, DeferredImageProcessor) else ip
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **limits: Any) -> Self:
@@ -241,9 +280,9 @@ class Qwen2_5OmniInputProcessor:
             raise ValueError(f"{root}/config.json: no thinker_config (not {cls.family}?)")
         with quiet_transformers():  # AutoTokenizer reads config.json through AutoConfig
             tok = AutoTokenizer.from_pretrained(str(root))
-        fe_dict, ip_dict = processor_dicts(root)
+        fe_dict, ip_dict, merged = processor_dicts(root)
         fe = WhisperFeatureExtractor.from_dict(fe_dict)
-        ip = Qwen2VLImageProcessorPil.from_dict(ip_dict)
+        ip = DeferredImageProcessor(ip_dict, merged)
         rope = cls.rope_config_class.from_thinker_config(thinker)
         limits.setdefault("video_config",
                           cls._video_config_from(ip_dict, video_processor_dict(root)))
@@ -462,7 +501,9 @@ class Qwen2_5OmniInputProcessor:
                 ) -> tuple[list[int], list[MediaItem], list[torch.Tensor]]:
         """Each placeholder -> its run of pads: (expanded ids, media items, audio features in
         prompt order, video audio tracks included)."""
-        image_merge, video_merge = self.image_processor.merge_size, self.video_config.merge_size
+        # (the image processor only where there are images: it is built on first use)
+        image_merge = self.image_processor.merge_size if loaded.image_grid is not None else 1
+        video_merge = self.video_config.merge_size
         cfg = self.rope_config
         expanded: list[int] = []
         items: list[MediaItem] = []

@@ -26,15 +26,20 @@ system message), so `add_audio_system_prompt` is accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase, WhisperFeatureExtractor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
+from omnistage.models.qwen2_5_omni.processor import (DeferredImageProcessor,
+                                                     Qwen2_5OmniInputProcessor)
 from omnistage.models.qwen2_5_omni.video import Qwen2_5OmniVideoConfig
+
+if TYPE_CHECKING:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 from omnistage.models.qwen3_omni.rope_index import (
     Qwen3OmniRopeConfig,
     audio_tokens_for_frames,
@@ -80,7 +85,8 @@ class Qwen3OmniInputProcessor(Qwen2_5OmniInputProcessor):
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase,
                  feature_extractor: WhisperFeatureExtractor,
-                 image_processor: Qwen2VLImageProcessorPil, chat_template: str,
+                 image_processor: Qwen2VLImageProcessorPil | DeferredImageProcessor,
+                 chat_template: str,
                  rope_config: Qwen3OmniRopeConfig, **limits: Any) -> None:
         super().__init__(tokenizer, feature_extractor, image_processor, chat_template,
                          rope_config, **limits)  # type: ignore[arg-type]

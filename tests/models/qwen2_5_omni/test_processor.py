@@ -100,6 +100,28 @@ def test_matches_transformers(name: str, ours, ref) -> None:
     assert got.mrope_positions.shape == (3, len(got.input_ids))
 
 
+def test_image_processor_is_built_on_first_use_as_transformers_loads_it(tiny_omni_dir: Path
+                                                                        ) -> None:
+    # deferred (its module imports transformers' modeling stack: seconds of start-up), then
+    # equal to the processor transformers itself loads from the legacy merged config
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from omnistage.models.qwen2_5_omni.processor import DeferredImageProcessor
+    proc = Qwen2_5OmniInputProcessor.from_pretrained(tiny_omni_dir)
+    deferred = proc._image_processor
+    assert isinstance(deferred, DeferredImageProcessor) and deferred._built is None
+    proc.process(CASES["text_only"])  # a prompt without images does not build it
+    assert deferred._built is None
+    # (transformers also keeps the merged file's feature-extractor fields as attributes)
+    reference = Qwen2VLImageProcessorPil.from_pretrained(str(tiny_omni_dir)).to_dict()
+    built = proc.image_processor.to_dict()
+    assert "sampling_rate" not in built and "sampling_rate" in reference
+    assert built == {k: reference[k] for k in built}
+    assert proc.image_processor is proc.image_processor  # built once
+
+
 def test_both_processor_layouts_load(tiny_omni_dir: Path, tiny_omni_v5_dir: Path, ours) -> None:
     assert (tiny_omni_dir / "preprocessor_config.json").is_file()
     assert not (tiny_omni_dir / "processor_config.json").exists()
