@@ -6,15 +6,25 @@ Workload: a chat request with a text prompt, text + audio out (pcm16 SSE), a fix
 (`--max-tokens` text tokens, `--codes` talker codes; eos ignored so every request has the same
 length), `--concurrency` levels, each a closed round of that many requests submitted at once.
 
-Per level and side: TTFT (first text delta) and TTFA (first audio delta) p50 / p90 / p99 seen
-by the client (the engine side: from its submit), RTF = e2e / audio seconds, audio-seconds per
-second of the round; for the server, start-up to /health and the first request's TTFA against
-a warm one. The client and the statistics are `omnistage bench`'s (omnistage/entrypoints/
-bench.py), which drives an already running server.
+Each side first runs one request right after start (the server: after /health, the client
+connected; the engine: after loading), then one warm request, then `--warmup-rounds` rounds at
+the largest concurrency (not counted: every batch shape a measured round brings is compiled or
+captured by then, on both sides alike), then the measured levels.
 
-    python -m benchmarks.serving --model /path/to/ckpt --device cuda --concurrency 1,16,32 \\
-        --out benchmarks/results/serving_h100.json
-    python -m benchmarks.serving   # the embedded tiny model on CPU (a smoke test)"""
+Per level and side: TTFT (first text delta) and TTFA (first audio delta) p50 / p90 / p99 seen
+by the client (the engine side: from its generate() call), RTF = e2e / audio seconds,
+audio-seconds per second of the round; the runtime's own TTFT / TTFA means (from the request's
+arrival in the runtime loop; the engine side: the outputs' metrics, the server: /metrics); for
+the server, where its path spends the time (means over the level from /metrics: received ->
+prepared, prepared -> admitted by the runtime, received -> first text / audio event written),
+start-up to /health, and the first request after start against a warm one. The client and the
+statistics are `omnistage bench`'s (omnistage/entrypoints/bench.py), which drives an already
+running server.
+
+    python -m benchmarks.serving --model /path/to/ckpt --device cuda --concurrency 1,32 \\
+        --max-tokens 128 --codes 1024 --out benchmarks/results/serving_h100.json
+    python -m benchmarks.serving   # the embedded tiny model on CPU (a smoke test)
+    python -m benchmarks.serving --concurrency 1,32 --max-tokens 32 --codes 128  # CPU, c32"""
 
 from __future__ import annotations
 
@@ -30,8 +40,18 @@ from pathlib import Path
 
 import httpx
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from benchmarks.common import write_result
 from omnistage.entrypoints import bench
+
+# /metrics histograms -> the level's mean, in seconds (the server's path, and its runtime's)
+SERVER_MEANS = {"server_prepare_mean": "omnistage_server_prepare_seconds",
+                "server_admission_mean": "omnistage_server_admission_seconds",
+                "server_ttft_mean": "omnistage_server_time_to_first_text_seconds",
+                "server_ttfa_mean": "omnistage_server_time_to_first_audio_seconds",
+                "runtime_ttft_mean": "omnistage_time_to_first_token_seconds",
+                "runtime_ttfa_mean": "omnistage_time_to_first_audio_seconds"}
 
 
 def free_port() -> int:
@@ -45,7 +65,7 @@ def bench_config(args, url: str) -> bench.BenchConfig:
     thinker (top-level ignore_eos) and the talker (`--codes` codes)."""
     return bench.BenchConfig(base_url=url, model="bench", concurrency=args.concurrency,
                              max_tokens=args.max_tokens, modalities="audio", ignore_eos=True,
-                             codes=args.codes, warmup_rounds=0,
+                             codes=args.codes, warmup_rounds=args.warmup_rounds,
                              request_timeout=args.request_timeout)
 
 
@@ -70,16 +90,56 @@ async def engine_request(llm, args, seed: int) -> dict:
             samples += len(out.audio)
         if out.error:
             return {"error": out.error}
-    text = len(out.token_ids) if out is not None else 0
-    codes = out.metrics.tokens_per_stage.get("talker", 0) if out is not None else 0
+    if out is None:
+        return {"error": "no output"}
+    text = len(out.token_ids)
+    codes = out.metrics.tokens_per_stage.get("talker", 0)
     return {"ttft": ttft, "ttfa": ttfa, "e2e": time.perf_counter() - t0,
             "audio_s": samples / bench.PCM16_RATE, "text_tokens": text,
-            "output_tokens": text + codes}
+            "output_tokens": text + codes, "runtime_ttft": out.metrics.ttft,
+            "runtime_ttfa": out.metrics.ttfa}
 
 
-async def rounds(send, levels: list[int]) -> dict:
-    """Per level c: one closed round of c requests at once (bench.run_level's numbers)."""
-    return {f"c{c}": await bench.run_level(send, c, c) for c in levels}
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+async def warm_then_measure(send, args, result: dict, snapshot, since) -> None:
+    """`--warmup-rounds` rounds at the largest level (not counted), then each level: one closed
+    round of c requests at once (bench.run_level's numbers, and `since(snapshot())`'s: what the
+    side measured itself over the round)."""
+    biggest = max(args.concurrency)
+    result["warmup_rounds"] = []
+    for _ in range(args.warmup_rounds):
+        w = await bench.run_level(send, biggest, biggest)
+        result["warmup_rounds"].append({k: w[k] for k in ("concurrency", "errors", "wall_s",
+                                                          "ttft_p50", "ttfa_p50")})
+    for c in args.concurrency:
+        name = f"c{c}"
+        before = snapshot()
+        result[name] = await bench.run_level(send, c, c)
+        result[name].update(since(before))
+
+
+def first_and_warm(result: dict, first: dict, warm: dict) -> None:
+    """The first request after start against a warm one (same request)."""
+    result["first_request"], result["warm_request"] = first, warm
+    for key in ("ttft", "ttfa", "e2e"):
+        if first.get(key) and warm.get(key):
+            result[f"first_over_warm_{key}"] = round(first[key] / warm[key], 3)
+
+
+def scrape_histograms(url: str) -> dict[str, tuple[float, float]]:
+    """/metrics: every histogram as {name: (sum, count)}."""
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            for suffix, i in (("_sum", 0), ("_count", 1)):
+                if sample.name.endswith(suffix) and not sample.labels:
+                    out.setdefault(sample.name.removesuffix(suffix), [0.0, 0.0])[i] = sample.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def run_server_side(args) -> dict:
@@ -107,18 +167,29 @@ def run_server_side(args) -> dict:
 
         cfg = bench_config(args, url)
 
+        def server_means(before: dict) -> dict:
+            """The means of SERVER_MEANS since `before` (a scrape_histograms())."""
+            now = scrape_histograms(url)
+            out = {}
+            for key, name in SERVER_MEANS.items():
+                (s1, n1), (s0, n0) = now.get(name, (0, 0)), before.get(name, (0, 0))
+                out[key] = round((s1 - s0) / (n1 - n0), 4) if n1 > n0 else None
+            return out
+
         async def go() -> None:
             limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
             async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-                first = await bench.one_request(client, url, bench.chat_body(cfg, 0))
-                warm = await bench.one_request(client, url, bench.chat_body(cfg, 0))
-                result["first_request"] = first
-                result["warm_request"] = warm
-                if first.get("ttfa") and warm.get("ttfa"):
-                    result["first_over_warm_ttfa"] = round(first["ttfa"] / warm["ttfa"], 3)
-                result.update(await rounds(
-                    lambda i: bench.one_request(client, url, bench.chat_body(cfg, i)),
-                    args.concurrency))
+                # (the client's own first-use costs and its connection: paid on /health)
+                (await client.get(url + "/health")).raise_for_status()
+                rows = []
+                for _ in range(2):  # the first request after start, then the same one warm
+                    before = scrape_histograms(url)
+                    rows.append(await bench.one_request(client, url, bench.chat_body(cfg, 0)))
+                    rows[-1].update(server_means(before))  # (the server's side of it)
+                first_and_warm(result, *rows)
+                await warm_then_measure(
+                    lambda i: bench.one_request(client, url, bench.chat_body(cfg, i)), args,
+                    result, lambda: scrape_histograms(url), server_means)
 
         asyncio.run(go())
         return result
@@ -144,9 +215,20 @@ def run_engine_side(args) -> dict:
         llm = AsyncOmniLLM(model=model, device=args.device)
         result["load_s"] = round(time.perf_counter() - t0, 2)
         try:
-            await engine_request(llm, args, 0)  # warm-up
-            result.update(await rounds(lambda i: engine_request(llm, args, i),
-                                       args.concurrency))
+            first = await engine_request(llm, args, 0)
+            first_and_warm(result, first, await engine_request(llm, args, 0))
+            rows: list[dict] = []
+
+            async def send(i: int) -> dict:
+                row = await engine_request(llm, args, i)
+                rows.append(row)
+                return row
+
+            def runtime_means(_: None) -> dict:
+                return {"runtime_ttft_mean": _mean([r.get("runtime_ttft") for r in rows]),
+                        "runtime_ttfa_mean": _mean([r.get("runtime_ttfa") for r in rows])}
+
+            await warm_then_measure(send, args, result, rows.clear, runtime_means)
         finally:
             llm.shutdown()
 
@@ -161,6 +243,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--codes", type=int, default=1024)
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="rounds at the largest concurrency before measuring, on both sides")
     ap.add_argument("--side", choices=["both", "server", "engine"], default="both")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra `omnistage serve` argument (repeatable, e.g. --server-arg=--x)")
@@ -170,6 +254,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    if not args.concurrency or min(args.concurrency) < 1 or args.warmup_rounds < 0:
+        ap.error("--concurrency: positive integers like 1,32; --warmup-rounds: >= 0")
     load = os.getloadavg()
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}}
     if args.side in ("both", "engine"):  # first: its memory is gone before the server starts
@@ -178,10 +264,12 @@ def main() -> None:
     if args.side in ("both", "server"):
         result["server"] = run_server_side(args)
     if args.side == "both":
+        keys = ("ttft_p50", "ttfa_p50", "audio_seconds_per_second", "runtime_ttft_mean",
+                "runtime_ttfa_mean")
         result["server_over_engine"] = {
             f"c{c}": {k: round(result["server"][f"c{c}"][k] / result["engine"][f"c{c}"][k], 3)
-                      for k in ("ttft_p50", "ttfa_p50", "audio_seconds_per_second")
-                      if result["server"][f"c{c}"][k] and result["engine"][f"c{c}"][k]}
+                      for k in keys
+                      if result["server"][f"c{c}"].get(k) and result["engine"][f"c{c}"].get(k)}
             for c in args.concurrency}
     write_result(result, args.out, load)
     if Path(args.server_log).is_file() and args.side != "engine":

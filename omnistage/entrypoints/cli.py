@@ -215,7 +215,7 @@ def cmd_serve(args) -> int:
     if args.warmup:  # before /health answers: the first request runs as fast as the next
         llm.warmup()
     run_server(llm, config, args.host, args.port, log_level=args.log_level,
-               access_log=args.access_log)
+               access_log=args.access_log, warmup=args.warmup)
     return 0
 
 
@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest input audio part")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
     s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run one short request through every stage before serving")
+                   help="before serving: one short request through every stage (on every "
+                   "preparation thread), then one through the HTTP app")
     s.add_argument("--prepare-workers", type=int, default=4, help="threads that prepare "
                    "requests (tokenising, media decoding) off the event loop")
     s.add_argument("--allow-remote-media", action="store_true",

@@ -117,3 +117,13 @@ def test_api_key_is_sent(tiny_omni_dir, tmp_path, capsys):
             assert "api_key" not in result["config"]  # the key is not written out
     finally:
         llm.shutdown()
+
+
+def test_audio_bytes_counted_from_base64_without_decoding():
+    import base64
+
+    from omnistage.entrypoints.bench import _b64_bytes
+    for n in (0, 1, 2, 3, 4, 479, 480, 4801):
+        assert _b64_bytes(base64.b64encode(bytes(n % 256 for _ in range(n))).decode()) == n
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        _b64_bytes("abcde")

@@ -9,6 +9,7 @@ process)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -146,6 +147,20 @@ class ServerMetrics:
         self.tps = Histogram("omnistage_request_tokens_per_second", "Per request: a stage's "
                              "tokens over the request's e2e time", ["stage"],
                              buckets=TPS_BUCKETS, registry=r)
+        # the server path (RequestTimeline): where a request's time goes before the runtime
+        # and between the runtime and the client
+        self.prepare = Histogram("omnistage_server_prepare_seconds", "HTTP request received to "
+                                 "prepared (parsing, waiting for and running the preparation "
+                                 "pool: template, tokens, media)", buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.admission = Histogram("omnistage_server_admission_seconds", "Prepared to taken in "
+                                   "by the runtime loop", buckets=LATENCY_BUCKETS, registry=r)
+        self.http_ttft = Histogram("omnistage_server_time_to_first_text_seconds", "HTTP request "
+                                   "received to its first text event written (chat streams)",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.http_ttfa = Histogram("omnistage_server_time_to_first_audio_seconds", "HTTP "
+                                   "request received to its first audio event written (chat "
+                                   "streams)", buckets=LATENCY_BUCKETS, registry=r)
         startup = Gauge("omnistage_startup_seconds", "Seconds the engine took to build, by "
                         "phase: 'total', each stage, its 'weights', 'engine' (KV cache, compiled "
                         "layers) and 'graphs' (CUDA graph capture), and 'runtime'", ["phase"],
@@ -174,6 +189,18 @@ class ServerMetrics:
         if m.e2e is not None:
             self.e2e.observe(m.e2e)
 
+    def observe_timeline(self, timeline: Any) -> None:
+        """Record a request's server path (serving.RequestTimeline), once it ends."""
+        if timeline is None or timeline.prepared is None:
+            return
+        self.prepare.observe(timeline.prepared - timeline.received)
+        if timeline.admitted is not None:
+            self.admission.observe(max(0.0, timeline.admitted - timeline.prepared))
+        if timeline.first_text is not None:
+            self.http_ttft.observe(timeline.first_text - timeline.received)
+        if timeline.first_audio is not None:
+            self.http_ttfa.observe(timeline.first_audio - timeline.received)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -182,6 +209,7 @@ class ServerMetrics:
 # where a handler records how a response with a 200 status line ended, when not in full:
 # "error" (an error event in the stream) or "499" (the client went away)
 OUTCOME_KEY = "omnistage.outcome"
+RECEIVED_KEY = "omnistage.received"  # when RequestCounter saw the request (time.monotonic())
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
               "/v1/audio/speech": "speech", "/v1/audio/transcriptions": "transcriptions",
               "/v1/images/generations": "images"}
@@ -220,6 +248,7 @@ class RequestCounter:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in _UNCOUNTED:
             return await self.app(scope, receive, send)
+        scope[RECEIVED_KEY] = time.monotonic()
         endpoint = _endpoint(scope["path"])
         code: int | None = None
         counted = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import resource
 import time
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omnistage.entrypoints.base import WARMUP_LATER_TOKENS, WARMUP_PROMPT, WARMUP_TOKENS
 from omnistage.entrypoints.openai.metrics import RequestCounter
 from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                    CompletionRequest,
@@ -142,6 +144,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = type(asyncio.get_running_loop())
+        log.info("event loop: %s.%s", loop.__module__, loop.__qualname__)  # (uvloop's: faster)
         yield
         state.draining = True
 
@@ -258,6 +262,68 @@ def log_placement(llm) -> None:
     log.info(msg)
 
 
+async def warm_up_http(app: FastAPI) -> float:
+    """One short streamed request through the whole app, in this process (no socket): the
+    middleware, body parsing, the handler, the preparation pool, the runtime, the SSE writer
+    and what each sets up on its first use, so that the first client request runs as fast as
+    the next. Give it an app of its own (build_app again): its metrics are not the served
+    app's. Returns its seconds; RuntimeError if it did not answer 200 with a complete stream."""
+    state: ServerState = app.state.omni
+    name = state.config.served_model_names[0]
+    if "image" in state.output_modalities:
+        return 0.0  # (image pipelines warm up while they are built)
+    path = "/v1/chat/completions" if state.voices else "/v1/completions"
+    # fixed lengths whatever the pipeline's defaults (as OmniBase.warmup's request)
+    body: dict = {"model": name, "stream": True, "max_tokens": WARMUP_TOKENS,
+                  "min_tokens": WARMUP_TOKENS, "seed": 0, "ignore_eos": True}
+    if state.voices:  # (models that speak have a chat template; a plain LM may have none)
+        body["messages"] = [{"role": "user", "content": WARMUP_PROMPT}]
+        if state.codec_stage is not None:
+            body.update(modalities=["text", "audio"], audio={"format": "pcm16"})
+        later = [n for n in state.llm.pipeline.default_params if n != state.first_stage]
+        if later:
+            body["stage_sampling_params"] = {n: {
+                "max_tokens": WARMUP_LATER_TOKENS, "min_tokens": WARMUP_LATER_TOKENS,
+                "ignore_eos": True} for n in later}
+    else:
+        body["prompt"] = WARMUP_PROMPT
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(raw)).encode())]
+    if state.config.api_key:
+        headers.append((b"authorization", f"Bearer {state.config.api_key}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    sent = False
+    never = asyncio.Event()  # the client never leaves: later receives wait
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    status, chunks = 0, []
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    t0 = time.perf_counter()
+    await app(scope, receive, send)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    if status != 200 or not text.rstrip().endswith("data: [DONE]") or '"error"' in text:
+        raise RuntimeError(f"HTTP warm-up request failed: status {status}: {text[-500:]}")
+    return time.perf_counter() - t0
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server with omnistage's shutdown, in order: stop accepting, drain for up to
     `shutdown_timeout`, end the requests left (error event and [DONE], or 503), stop the engine
@@ -289,9 +355,15 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info", access_log: bool = False) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and stop `llm`."""
+               log_level: str = "info", access_log: bool = False, warmup: bool = False
+               ) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop `llm`. warmup: one request through the
+    HTTP app (warm_up_http) before listening."""
     try:
+        if warmup:  # (before the served app: its startup gauge shows this phase too)
+            seconds = asyncio.run(warm_up_http(build_app(llm, config)))
+            llm.startup_seconds["http_warmup"] = seconds
+            log.info("warm-up request through the HTTP app: %.2f s", seconds)
         app = build_app(llm, config)
         log_placement(llm)
         # (uvicorn's own wait comes after the drain: for connections still open then)

@@ -5,6 +5,7 @@ audio encoding."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import io
 import json
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from omnistage.entrypoints.async_llm import RuntimeShutDown
-from omnistage.entrypoints.openai.metrics import ServerMetrics, mark_outcome
+from omnistage.entrypoints.openai.metrics import RECEIVED_KEY, ServerMetrics, mark_outcome
 from omnistage.entrypoints.openai.protocol import APIError, StageSamplingParams
 from omnistage.outputs import OmniRequestOutput
 from omnistage.sampling_params import SamplingParams
@@ -244,6 +245,34 @@ class ClientGone(Exception):
     """The HTTP client disconnected."""
 
 
+@dataclass
+class RequestTimeline:
+    """When one request passed each point of the server path (time.monotonic() seconds; None:
+    not reached): the HTTP request received (RequestCounter, outermost), prepared (tokenised,
+    off the preparation pool), taken in by the runtime loop (the RuntimeRequest's arrival,
+    set on the runtime's thread), the first text and audio events written (chat streams).
+    ServerMetrics.observe_timeline turns it into the omnistage_server_* histograms."""
+
+    received: float
+    prepared: float | None = None
+    runtime_request: Any = None  # (its `arrival`: 0.0 until the runtime took it in)
+    first_text: float | None = None
+    first_audio: float | None = None
+
+    @property
+    def admitted(self) -> float | None:
+        arrival = getattr(self.runtime_request, "arrival", 0.0)
+        return arrival or None
+
+    def mark_text(self) -> None:
+        if self.first_text is None:
+            self.first_text = time.monotonic()
+
+    def mark_audio(self) -> None:
+        if self.first_audio is None:
+            self.first_audio = time.monotonic()
+
+
 class RequestStream:
     """Runs one request's async generator in its own task so that a client disconnect (polled
     every `poll` seconds) or cancel() aborts it in every stage: cancelling the task cancels
@@ -251,24 +280,34 @@ class RequestStream:
     shutdown) makes the consumer's next() raise ServerShuttingDown."""
 
     def __init__(self, gen: AsyncIterator[OmniRequestOutput], request: Request | None,
-                 poll: float = 0.25, rid: str = "") -> None:
+                 poll: float = 0.25, rid: str = "",
+                 timeline: RequestTimeline | None = None) -> None:
         self.request, self.poll, self.rid = request, poll, rid
         self.scope = request.scope if request is not None else None  # (for mark_outcome)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.timeline = timeline
+        # the generator's outputs, then None (its end), or the exception that ended it; a
+        # waiting next() sleeps on `_waiter` (one future per wait: no task, no queue getter)
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.finished = False
         self.ended = False  # by end(): the server is shutting down
-        self._getter: asyncio.Task | None = None
+        self._exhausted = False  # the generator's end was taken
         self._next_check = time.monotonic() + poll
         self._task = asyncio.get_running_loop().create_task(self._pump(gen))
+
+    def _put(self, item: OmniRequestOutput | Exception | None) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def _pump(self, gen) -> None:
         try:
             async for out in gen:
-                self.queue.put_nowait(out)
+                self._put(out)
         except Exception as e:  # noqa: BLE001 - handed to the consumer, who raises it
-            self.queue.put_nowait(e)  # ValueError: generate() rejected the request (a 400)
+            self._put(e)  # ValueError: generate() rejected the request (a 400)
         finally:
-            self.queue.put_nowait(None)
+            self._put(None)
 
     async def next(self) -> OmniRequestOutput | None:
         """The next output; None after the last. Raises ValueError (bad request), ClientGone,
@@ -276,39 +315,63 @@ class RequestStream:
         while True:
             if self.ended:
                 raise ServerShuttingDown()
+            if self._exhausted:
+                return None
             if self.request is not None and time.monotonic() >= self._next_check:
                 # checked on a clock, not only when idle: outputs may never pause
                 self._next_check = time.monotonic() + self.poll
                 if await self.request.is_disconnected():
                     self.cancel()
                     raise ClientGone()
-            if self._getter is None:
-                self._getter = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=self.poll)
-            if done:
-                item, self._getter = self._getter.result(), None
-                if self.ended:
-                    raise ServerShuttingDown()
-                if isinstance(item, Exception):
-                    raise item
-                if item is not None and item.finished:
-                    self.finished = True
-                return item
+            if self._items:  # (the usual case under load: nothing to wait for)
+                return self._take(self._items.popleft())
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(self.poll, _wake, waiter)  # to look at the client again
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+
+    def next_nowait(self) -> OmniRequestOutput | None:
+        """The next output if one is waiting, else None (then next() waits for it, or returns
+        the end); raises as next() does. For writing what has piled up in one go."""
+        if self._exhausted or not self._items:
+            return None
+        return self._take(self._items.popleft())
+
+    def _take(self, item: OmniRequestOutput | Exception | None) -> OmniRequestOutput | None:
+        if self.ended:
+            raise ServerShuttingDown()
+        if isinstance(item, Exception):
+            raise item
+        if item is None:
+            self._exhausted = True  # (next() answers None from now on)
+        elif item.finished:
+            self.finished = True
+        return item
 
     def end(self) -> None:
         """The server is shutting down: next() raises ServerShuttingDown from now on, at once if
         it is waiting. The request runs on until cancel()."""
         self.ended = True
-        self.queue.put_nowait(None)  # wakes a waiting next()
+        self._put(None)  # wakes a waiting next()
 
     def cancel(self) -> bool:
-        """Abort the request if it has not finished; True if it had to be aborted."""
-        if self._getter is not None:
-            self._getter.cancel()
+        """Abort the request if it has not finished; True if it had to be aborted. A next()
+        waiting meanwhile raises CancelledError."""
+        if self._waiter is not None:
+            self._waiter.cancel()
         if self._task.done():
             return False
         self._task.cancel()
         return not self.finished
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def start_request(state: ServerState, request: Request | None, prompt: Any, params: Any,
@@ -318,8 +381,11 @@ async def start_request(state: ServerState, request: Request | None, prompt: Any
     """Prepare the request on the engine's preparation pool (off the event loop; a ValueError
     becomes `bad_request(e)`, a 400), then run it in a RequestStream watching `request`
     (ServerShuttingDown instead when the drain deadline passed meanwhile)."""
+    received = request.scope.get(RECEIVED_KEY) if request is not None else None
+    timeline = RequestTimeline(received if received is not None else time.monotonic())
     try:
         req = await state.llm.prepare(prompt, params, modalities, request_id=rid)
+        timeline.prepared, timeline.runtime_request = time.monotonic(), req
     except ValueError as e:
         raise bad_request(e) from e
     except RuntimeShutDown as e:  # dropped from the preparation queue at shutdown
@@ -327,7 +393,7 @@ async def start_request(state: ServerState, request: Request | None, prompt: Any
     if state.ending:
         log.info("%s: not started, the server is shutting down (503)", rid)
         raise ServerShuttingDown()
-    stream = RequestStream(state.llm.run(req), request, rid=rid)
+    stream = RequestStream(state.llm.run(req), request, rid=rid, timeline=timeline)
     state.streams.add(stream)
     return stream
 
@@ -374,6 +440,7 @@ def release_unless_handed_over(state: ServerState, stream: RequestStream | None,
     its queue slot back."""
     if not handed_over:
         if stream is not None:
+            state.metrics.observe_timeline(stream.timeline)
             state.streams.discard(stream)
             if stream.cancel() and stream.ended:
                 log.info("%s: aborted before its response started (503): the server is "
@@ -384,6 +451,7 @@ def release_unless_handed_over(state: ServerState, stream: RequestStream | None,
 def close_stream(state: ServerState, stream: RequestStream, rid: str, endpoint: str) -> None:
     """A streamed response ended: abort the request if it was still running (the client went
     away, or the server is shutting down), and give its queue slot back."""
+    state.metrics.observe_timeline(stream.timeline)
     state.streams.discard(stream)
     if stream.cancel():
         if stream.ended:  # (its generator sent the error and marked the outcome)

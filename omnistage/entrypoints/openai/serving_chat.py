@@ -44,6 +44,7 @@ from omnistage.outputs import OmniRequestOutput
 from omnistage.sampling_params import SamplingParams, stage_seed
 
 PCM16_INPUT_RATE = 24000  # OpenAI's pcm16: raw int16 little-endian mono at 24 kHz
+_MORE, _ENDED, _FAILED = range(3)  # a choice's state after an output (OpenAIServingChat._sse)
 
 
 def _b64(data: str, where: str) -> bytes:
@@ -299,10 +300,13 @@ class OpenAIServingChat:
                  "finish_reason": reason}, last)
 
     async def _sse(self, choices: list[_Choice], ctx: _Ctx) -> AsyncIterator[str]:
+        """The SSE body. What a choice has piled up (text deltas and audio chunks of one
+        runtime pass) goes out as one write; one choice is awaited directly (no task per
+        output), several through asyncio.wait."""
         include_usage = bool(ctx.body.stream_options and ctx.body.stream_options.include_usage)
-        for c in choices:
-            yield sse(ctx.chunk(c.index, {"role": "assistant",
-                                          "content": None if ctx.fmt else ""}, include_usage))
+        yield "".join(sse(ctx.chunk(c.index, {"role": "assistant",
+                                              "content": None if ctx.fmt else ""},
+                                    include_usage)) for c in choices)
         outs: dict[int, OmniRequestOutput | None] = {c.index: c.first for c in choices}
         pending: dict[asyncio.Future, _Choice] = {}
         finals: list[OmniRequestOutput] = []
@@ -311,33 +315,21 @@ class OpenAIServingChat:
                 for index, out in list(outs.items()):
                     del outs[index]
                     c = choices[index]
-                    if out is None:  # (ended without a finished output: nothing more to send)
-                        continue
-                    if out.error:
-                        err = runtime_error(out.error, produced=bool(out.token_ids))
-                        self._finished(out, ctx)
-                        mark_outcome(c.stream.scope, "error")
-                        yield sse(err.body())
-                        yield sse("[DONE]")
+                    events: list[str] = []
+                    state = self._sse_events(c, out, ctx, include_usage, events, finals)
+                    while state == _MORE and (out := c.stream.next_nowait()) is not None:
+                        state = self._sse_events(c, out, ctx, include_usage, events, finals)
+                    if events:
+                        yield "".join(events)
+                    if state == _FAILED:
                         return
-                    for delta, logprobs in c.deltas(out):
-                        yield sse(ctx.chunk(c.index, delta, include_usage, logprobs=logprobs))
-                    if out.finished:
-                        self._finished(out, ctx)
-                        finals.append(out)
-                        for delta, _ in c.flush():
-                            yield sse(ctx.chunk(c.index, delta, include_usage))
-                        final = {"audio": {"id": c.audio_id, "expires_at": ctx.created +
-                                           self.state.config.audio_expiry_seconds}} \
-                            if ctx.fmt else {}
-                        reason = self._reason(out)
-                        if c.tools is not None and c.tools.num_calls and reason == "stop":
-                            reason = "tool_calls"
-                        yield sse(ctx.chunk(c.index, final, include_usage, reason))
-                    else:
-                        pending[asyncio.ensure_future(c.stream.next())] = c
+                    if state == _MORE:
+                        if len(choices) == 1:
+                            outs[index] = await c.stream.next()
+                        else:
+                            pending[asyncio.ensure_future(c.stream.next())] = c
                 if not pending:
-                    break
+                    continue
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
                     c = pending.pop(fut)
@@ -356,6 +348,36 @@ class OpenAIServingChat:
             for fut in pending:
                 fut.cancel()
         yield sse("[DONE]")
+
+    def _sse_events(self, c: _Choice, out: OmniRequestOutput | None, ctx: _Ctx,
+                    include_usage: bool, events: list[str], finals: list[OmniRequestOutput]
+                    ) -> int:
+        """Append one output's SSE events to `events`: _MORE (more outputs to come), _ENDED
+        (the choice is done) or _FAILED (an error event and [DONE] were appended: the stream
+        ends)."""
+        if out is None:  # (ended without a finished output: nothing more to send)
+            return _ENDED
+        if out.error:
+            err = runtime_error(out.error, produced=bool(out.token_ids))
+            self._finished(out, ctx)
+            mark_outcome(c.stream.scope, "error")
+            events += [sse(err.body()), sse("[DONE]")]
+            return _FAILED
+        for delta, logprobs in c.deltas(out):
+            events.append(sse(ctx.chunk(c.index, delta, include_usage, logprobs=logprobs)))
+        if not out.finished:
+            return _MORE
+        self._finished(out, ctx)
+        finals.append(out)
+        for delta, _ in c.flush():
+            events.append(sse(ctx.chunk(c.index, delta, include_usage)))
+        final = {"audio": {"id": c.audio_id, "expires_at": ctx.created +
+                           self.state.config.audio_expiry_seconds}} if ctx.fmt else {}
+        reason = self._reason(out)
+        if c.tools is not None and c.tools.num_calls and reason == "stop":
+            reason = "tool_calls"
+        events.append(sse(ctx.chunk(c.index, final, include_usage, reason)))
+        return _ENDED
 
     def _reason(self, out: OmniRequestOutput) -> str:
         return finish_reason(self.state, out)
@@ -446,9 +468,14 @@ class _Choice:
             else:
                 deltas.append(({"audio": {"id": self.audio_id, "transcript": out.text_delta}}
                                if ctx.fmt else {"content": out.text_delta}, lps))
+        timeline = self.stream.timeline
+        if deltas and timeline is not None:
+            timeline.mark_text()
         if ctx.fmt and out.audio is not None and len(out.audio):
             data = base64.b64encode(to_pcm16(out.audio).tobytes()).decode()
             deltas.append(({"audio": {"id": self.audio_id, "data": data}}, None))
+            if timeline is not None:
+                timeline.mark_audio()
         return deltas
 
     def flush(self) -> list[tuple[dict[str, Any], dict | None]]:
