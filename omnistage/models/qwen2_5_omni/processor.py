@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -166,21 +165,20 @@ class DeferredImageProcessor:
     config: dict[str, Any]
     merged: bool  # the legacy preprocessor_config.json: keep the image processor's fields
     _built: Any = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def get(self) -> Qwen2VLImageProcessorPil:
-        with self._lock:
-            if self._built is None:
-                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-                    Qwen2VLImageProcessorPil,
-                )
-                cfg = self.config
-                if self.merged:
-                    keys = set(Qwen2VLImageProcessorPil().to_dict()) | {"min_pixels",
-                                                                       "max_pixels"}
-                    cfg = {k: v for k, v in cfg.items() if k in keys}
-                self._built = Qwen2VLImageProcessorPil.from_dict(cfg)
-            return self._built
+        # (no lock: two preparation threads racing on the first image both build an equal
+        # processor, and the last assignment wins)
+        if self._built is None:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil,
+            )
+            cfg = self.config
+            if self.merged:
+                keys = set(Qwen2VLImageProcessorPil().to_dict()) | {"min_pixels", "max_pixels"}
+                cfg = {k: v for k, v in cfg.items() if k in keys}
+            self._built = Qwen2VLImageProcessorPil.from_dict(cfg)
+        return self._built
 
 
 def video_processor_dict(root: Path) -> dict[str, Any]:
