@@ -22,6 +22,9 @@ and per barge-in (every turn but the first):
                            running or queued, every KV block free)
 The VAD waits silence_duration_ms (--silence-ms) of silence before it commits: the time from
 the last spoken sample to the commit is that plus the VAD's 32 ms windows, and is not included.
+Per level, the server's event-loop lag (a 5 ms timer's lateness, `loop_lag_ms`: how long the
+loop was busy with something else) comes from a route the benchmark adds; `--profile-server
+PATH` also writes a cProfile of the server's event-loop thread there (pstats format).
 
   GPU:  python benchmarks/realtime_gpu.py --ckpt /tmp/omni7b \\
             --out benchmarks/results/realtime_gpu_h100.json
@@ -123,10 +126,52 @@ def serve(args) -> None:
                                      max_tokens=args.text_tokens)
     d[talker] = dataclasses.replace(d[talker], min_tokens=args.codes, max_tokens=args.codes)
     cfg = ServerConfig(served_model_names=[MODEL], max_audio_seconds=120)
+    app = build_app(llm, cfg)
+    lag = LoopLag()
+    app.get("/bench/loop_lag", include_in_schema=False)(lag.report)
+    if args.profile_server:
+        import cProfile
+        profiler = cProfile.Profile()  # (uvicorn runs the event loop on this thread)
+
+        async def dump_profile() -> dict:  # (uvicorn ends the process by the signal it got)
+            profiler.disable()
+            profiler.dump_stats(args.profile_server)
+            return {"written": args.profile_server}
+
+        app.get("/bench/profile", include_in_schema=False)(dump_profile)
+        profiler.enable()
     try:
-        uvicorn.run(build_app(llm, cfg), host="127.0.0.1", port=args.port, log_level="warning")
+        # (no keepalive pings either way: a loaded client's late pong would end the session)
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning",
+                    ws_ping_interval=None, ws_per_message_deflate=args.ws_deflate == "on")
     finally:
         llm.shutdown()
+
+
+class LoopLag:
+    """The server event loop's lag: a 5 ms timer's lateness, sampled from the first report()
+    on; report() gives the samples since the previous report and starts over."""
+
+    PERIOD = 0.005
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.task: asyncio.Task | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.PERIOD)
+            self.samples.append(1e3 * (time.perf_counter() - t - self.PERIOD))
+
+    async def report(self) -> dict:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._watch())
+        v, self.samples = self.samples, []
+        q = {f"p{round(100 * f)}": round(x, 1) if (x := pct(v, f)) is not None else None
+             for f in (0.5, 0.9, 0.99)}
+        return {"samples": len(v), **q, "max": round(max(v), 1) if v else None,
+                "busy_over_20ms_s": round(sum(x for x in v if x > 20) / 1e3, 2)}
 
 
 # ------------------------------------------------------------------ the client
@@ -212,6 +257,7 @@ async def session(url: str, clip: np.ndarray, onset: int, turns: int, args,
         mic = asyncio.get_running_loop().create_task(microphone())
         queue.append(clip)
         turn, first_audio_seen, barge_pending = 0, False, False
+        watchers: list[asyncio.Task] = []
         try:
             while True:
                 ev = await recv()
@@ -247,20 +293,29 @@ async def session(url: str, clip: np.ndarray, onset: int, turns: int, args,
                             "started_to_cancelled_ms": round(1e3 * (now - marks["started"]),
                                                              1)}
                         if watch_idle:
-                            while not await asyncio.to_thread(stages_idle, url):
-                                await asyncio.sleep(0.002)
-                            sample["onset_to_idle_ms"] = round(
-                                1e3 * (time.perf_counter() - marks["onset"]), 1)
+                            watchers.append(asyncio.get_running_loop().create_task(
+                                watch_idle_after(url, sample, marks["onset"], marks)))
                         out["barge_ins"].append(sample)
                     elif barge_pending:
                         out["errors"].append(f"response ended {status} before the barge-in")
                         barge_pending = False
                     if turn >= turns:
                         break
+            await asyncio.gather(*watchers)
         finally:
             mic.cancel()
             await asyncio.gather(mic, return_exceptions=True)
     return out
+
+
+async def watch_idle_after(url: str, sample: dict, onset: float, marks: dict) -> None:
+    """onset_to_idle_ms into `sample` once every stage is idle; left out when the next turn's
+    commit comes first (a slow machine: the next answer then keeps the stages busy)."""
+    while not await asyncio.to_thread(stages_idle, url):
+        if marks.get("committed", 0.0) > onset:
+            return
+        await asyncio.sleep(0.002)
+    sample["onset_to_idle_ms"] = round(1e3 * (time.perf_counter() - onset), 1)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -283,11 +338,18 @@ def summary(sessions: list[dict]) -> dict:
     return out
 
 
+def loop_lag(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/bench/loop_lag", timeout=30).read())
+
+
 async def level(url: str, n: int, clip: np.ndarray, onset: int, turns: int, args) -> dict:
+    await asyncio.to_thread(loop_lag, url)  # (starts the samples over)
     t0 = time.perf_counter()
     sessions = await asyncio.gather(*(session(url, clip, onset, turns, args, n == 1)
                                       for _ in range(n)))
-    return {"wall_s": round(time.perf_counter() - t0, 1), **summary(list(sessions))}
+    wall = round(time.perf_counter() - t0, 1)
+    return {"wall_s": wall, **summary(list(sessions)),
+            "loop_lag_ms": await asyncio.to_thread(loop_lag, url)}
 
 
 def free_port() -> int:
@@ -313,6 +375,11 @@ def main() -> None:
     ap.add_argument("--server-log", default="/tmp/omnistage_realtime_gpu_server.log")
     ap.add_argument("--build-only", action="store_true",
                     help="build (or reuse) --ckpt and exit (splits a first run in two)")
+    ap.add_argument("--profile-server", default=None, metavar="PATH",
+                    help="cProfile the server's event-loop thread into PATH (pstats)")
+    ap.add_argument("--ws-deflate", choices=["on", "off"], default="on",
+                    help="permessage-deflate on the server's WebSockets (uvicorn's default: on; "
+                         "it deflates every audio delta on the event loop)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -330,8 +397,10 @@ def main() -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--port", str(port),
            "--ckpt", args.ckpt, "--device", args.device, "--concurrency", args.concurrency,
            "--text-tokens", str(args.text_tokens), "--codes", str(args.codes),
+           "--ws-deflate", args.ws_deflate,
            *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
-           *(["--small"] if args.small else [])]
+           *(["--small"] if args.small else []),
+           *(["--profile-server", args.profile_server] if args.profile_server else [])]
     clip, onset = speech_clip()
     result: dict = {"benchmark": "realtime_gpu", "date": datetime.date.today().isoformat(),
                     "config": {k: v for k, v in vars(args).items()
@@ -362,6 +431,8 @@ def main() -> None:
             result[f"c{n}"] = asyncio.run(level(url, n, clip, onset, args.turns, args))
             print(f"c{n}: {json.dumps(result[f'c{n}'])}", file=sys.stderr, flush=True)
         result["measure_s"] = round(time.perf_counter() - t1, 1)
+        if args.profile_server:
+            urllib.request.urlopen(url + "/bench/profile", timeout=120).read()
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

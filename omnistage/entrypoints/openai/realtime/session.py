@@ -42,6 +42,7 @@ from omnistage.entrypoints.openai.realtime.protocol import (
 from omnistage.entrypoints.openai.realtime.transcription import (InputTranscriber,
                                                                  check_transcription)
 from omnistage.entrypoints.openai.realtime.vad import TurnDetector
+from omnistage.entrypoints.openai.realtime.vad_worker import shared_vad_worker
 from omnistage.entrypoints.openai.serving import ServerState, build_sampling, to_pcm16
 from omnistage.entrypoints.openai.tool_calls import ContentPiece, IncrementalToolCallParser
 from omnistage.models.qwen2_5_omni.media import resample
@@ -160,13 +161,17 @@ class RealtimeSession:
         if self.detector is None:
             return
         vad = self.config.audio.input.turn_detection
-        for vad_event in self.detector.feed(np.frombuffer(raw, "<i2")):
+        # (on the VAD thread, batched with other sessions; the next client event waits)
+        for vad_event in await shared_vad_worker().feed(self.detector, np.frombuffer(raw, "<i2")):
             if vad_event.kind == "start":
                 self._drop_buffer_before(vad_event.ms)
                 self.speech_item = _id("item")
+                barge_in = self.response is not None and vad.interrupt_response
+                if barge_in:  # no audio delta goes out after speech_started
+                    await self._stop_response("turn_detected")
                 await self.send({"type": "input_audio_buffer.speech_started",
                                  "audio_start_ms": vad_event.ms, "item_id": self.speech_item})
-                if self.response is not None and vad.interrupt_response:
+                if barge_in:
                     await self.cancel_response("turn_detected")
             elif self.speech_item is not None:
                 item_id, self.speech_item = self.speech_item, None
@@ -512,16 +517,23 @@ class RealtimeSession:
     async def cancel_response(self, reason: str) -> None:
         """Abort the response in every stage (AsyncOmniLLM.abort, then the consumer task is
         cancelled, which aborts again if needed) and end it with status cancelled."""
+        if (resp := await self._stop_response(reason)) is not None:
+            if resp.task is not None:  # (a cancelled send lets go of the lock at once)
+                await asyncio.gather(resp.task, return_exceptions=True)
+            await self._end(resp)
+
+    async def _stop_response(self, reason: str) -> Response | None:
+        """Cancelled: the abort queued to the runtime, the consumer task cancelled (no delta
+        is sent after this), waiting for neither. The response, if one runs."""
         resp = self.response
         if resp is None or resp.ended:
-            return
+            return None
         resp.status, resp.reason = "cancelled", reason
         if resp.rid:
-            await self.state.llm.abort(resp.rid)
-        if resp.task is not None and not resp.task.done():
+            await self.state.llm.abort(resp.rid)  # (a put on the runtime's control queue)
+        if resp.task is not None and not resp.task.done() and not resp.task.cancelling():
             resp.task.cancel()
-            await asyncio.gather(resp.task, return_exceptions=True)
-        await self._end(resp)
+        return resp
 
     async def _end(self, resp: Response) -> None:
         if resp.ended:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.resources
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +103,10 @@ class VadEvent:
 class TurnDetector:
     """OpenAI server_vad over a session's appended audio: speech starts when a window's
     probability reaches `threshold`; it stops after `silence_duration_ms` of windows below
-    threshold - 0.15 (silero's own hysteresis). Times are in ms of audio appended so far."""
+    threshold - 0.15 (silero's own hysteresis). Times are in ms of audio appended so far.
+
+    feed() runs the network here; detect_batch() runs many detectors' windows in one forward
+    (the VAD worker thread) with the same results."""
 
     def __init__(self, threshold: float, silence_duration_ms: int, prefix_padding_ms: int
                  ) -> None:
@@ -117,32 +121,78 @@ class TurnDetector:
         self.speaking = False
         self.silence_start: int | None = None  # ms where the current quiet run began
 
-    @torch.inference_mode()
     def feed(self, pcm16: np.ndarray) -> list[VadEvent]:
         """Appended int16 samples at 24 kHz -> the start/stop events they complete."""
+        return detect_batch([(self, pcm16)])[0]
+
+    def _push(self, pcm16: np.ndarray) -> int:
+        """Resample appended audio into the pending samples; the whole windows now pending."""
         self.pending = np.concatenate([self.pending,
                                        self.resampler(pcm16.astype(np.float32) / 32768.0)])
-        events = []
-        while len(self.pending) >= WINDOW:
-            window, self.pending = self.pending[:WINDOW], self.pending[WINDOW:]
-            x = torch.from_numpy(np.concatenate([self.context, window]))[None]
-            prob, self.state = self.model(x, self.state)
-            self.context = window[-CONTEXT:]
-            start_ms = self.samples16 * 1000 // VAD_RATE
-            self.samples16 += WINDOW
-            end_ms = self.samples16 * 1000 // VAD_RATE
-            p = float(prob[0])
-            if not self.speaking:
-                if p >= self.threshold:
-                    self.speaking, self.silence_start = True, None
-                    events.append(VadEvent("start", max(0, start_ms - self.prefix_ms)))
-            elif p < max(self.threshold - 0.15, 0.01):
-                if self.silence_start is None:
-                    self.silence_start = start_ms
-                if end_ms - self.silence_start >= self.silence_ms:
-                    self.speaking = False
-                    events.append(VadEvent("stop", end_ms))
-                    self.silence_start = None
-            else:
+        return len(self.pending) // WINDOW
+
+    def _take_window(self) -> np.ndarray:
+        """The network's next input: the previous window's tail, then the next window."""
+        window, self.pending = self.pending[:WINDOW], self.pending[WINDOW:]
+        x = np.concatenate([self.context, window])
+        self.context = window[-CONTEXT:]
+        return x
+
+    def _decide(self, p: float) -> VadEvent | None:
+        """The turn state after a window of speech probability p; the event it completes."""
+        start_ms = self.samples16 * 1000 // VAD_RATE
+        self.samples16 += WINDOW
+        end_ms = self.samples16 * 1000 // VAD_RATE
+        if not self.speaking:
+            if p >= self.threshold:
+                self.speaking, self.silence_start = True, None
+                return VadEvent("start", max(0, start_ms - self.prefix_ms))
+        elif p < max(self.threshold - 0.15, 0.01):
+            if self.silence_start is None:
+                self.silence_start = start_ms
+            if end_ms - self.silence_start >= self.silence_ms:
+                self.speaking = False
                 self.silence_start = None
-        return events
+                return VadEvent("stop", end_ms)
+        else:
+            self.silence_start = None
+        return None
+
+
+@torch.inference_mode()
+def detect_batch(feeds: list[tuple[TurnDetector, np.ndarray]],
+                 on_step: Callable[[int], None] | None = None) -> list[list[VadEvent]]:
+    """feeds[i] = (detector, int16 24 kHz chunk appended to its session) -> the events of each
+    chunk, equal to calling detector.feed(chunk) for each in order. A detector may appear more
+    than once (its chunks in order); each step runs the next window of every detector that has
+    one in one forward (the LSTM states batched), `on_step(batch)` after each."""
+    models = {id(det.model): det.model for det, _ in feeds}
+    if len(models) > 1:
+        raise ValueError("detect_batch: the detectors do not share one VAD network")
+    model = next(iter(models.values()), None)
+    results: list[list[VadEvent]] = [[] for _ in feeds]
+    # per detector: (windows completed by its chunks so far, the feed index) in order
+    owners: dict[int, list[tuple[int, int]]] = {}
+    detectors: dict[int, TurnDetector] = {}
+    for i, (det, pcm16) in enumerate(feeds):
+        detectors[id(det)] = det
+        owners.setdefault(id(det), []).append((det._push(pcm16), i))
+    done = dict.fromkeys(detectors, 0)  # windows run per detector
+    while True:
+        step = [d for key, d in detectors.items() if done[key] < owners[key][-1][0]]
+        if not step:
+            return results
+        x = torch.from_numpy(np.stack([d._take_window() for d in step]))
+        state = step[0].state if len(step) == 1 else torch.cat([d.state for d in step], dim=1)
+        prob, state = model(x, state)
+        if on_step is not None:
+            on_step(len(step))
+        # (one op each for all sessions: every torch call may wait for the GIL again)
+        for det, p, det_state in zip(step, prob.tolist(), state.split(1, dim=1)):
+            det.state = det_state
+            key = id(det)
+            window = done[key]
+            done[key] = window + 1
+            event = det._decide(p)
+            if event is not None:  # to the first chunk whose push completed this window
+                results[next(i for n, i in owners[key] if window < n)].append(event)
