@@ -1,10 +1,15 @@
-"""What every benchmark script does at the end: record the load, print and save the JSON."""
+"""What the benchmark scripts share: recording the load and saving the JSON, timing, stage
+placement, and the server subprocess they drive (a free loopback port, an orderly stop)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
 from pathlib import Path
+from typing import IO
 
 
 def write_result(result: dict, out: str | None, load_before: tuple[float, float, float]) -> None:
@@ -77,3 +82,20 @@ def pipeline_yaml(builtin: str, out: Path, per_stage: dict[str, dict],
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(data))
     return str(out)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen, log: IO) -> None:
+    """SIGTERM a server subprocess (it drains and exits), killed after 60 s; close its log."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # omnistage, tests, benchmarks
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import free_port, write_result  # noqa: E402
 
 HIDDEN = 3584  # Qwen2.5-Omni-7B thinker width
 SAMPLE_RATE = 24000  # code2wav output
@@ -115,12 +114,6 @@ class Sender:
                 out["object_store"].append(t1 - t0)
                 out["actor_arg"].append(t2 - t1)
         return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -45,8 +45,6 @@ import importlib.machinery
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -65,7 +63,7 @@ except ImportError:  # the GPU machine lacks it; nothing here reads audio files 
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import free_port, stop_server, write_result  # noqa: E402
 
 RATE = 24000
 CHUNK = RATE // 50  # 20 ms, as a microphone's worklet sends
@@ -352,12 +350,6 @@ async def level(url: str, n: int, clip: np.ndarray, onset: int, turns: int, args
             "loop_lag_ms": await asyncio.to_thread(loop_lag, url)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="the tiny config on the CPU")
@@ -434,12 +426,7 @@ def main() -> None:
         if args.profile_server:
             urllib.request.urlopen(url + "/bench/profile", timeout=120).read()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
     write_result(result, args.out, load)
 
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,7 +40,7 @@ import httpx
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import write_result
+from benchmarks.common import free_port, stop_server, write_result
 from omnistage.entrypoints import bench
 
 # /metrics histograms -> the level's mean, in seconds (the server's path, and its runtime's)
@@ -52,12 +50,6 @@ SERVER_MEANS = {"server_prepare_mean": "omnistage_server_prepare_seconds",
                 "server_ttfa_mean": "omnistage_server_time_to_first_audio_seconds",
                 "runtime_ttft_mean": "omnistage_time_to_first_token_seconds",
                 "runtime_ttfa_mean": "omnistage_time_to_first_audio_seconds"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_config(args, url: str) -> bench.BenchConfig:
@@ -194,12 +186,7 @@ def run_server_side(args) -> dict:
         asyncio.run(go())
         return result
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
 
 
 def run_engine_side(args) -> dict:

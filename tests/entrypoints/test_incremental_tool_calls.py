@@ -12,7 +12,7 @@ import pytest
 
 from omnistage.entrypoints.openai.tool_calls import (ArgumentsPiece, CallEnded, CallStarted,
                                                      ContentPiece, IncrementalToolCallParser,
-                                                     chat_tool_deltas, parse_tool_calls)
+                                                     parse_tool_calls)
 
 ANSWER = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "U}T\\"C",'
           ' "n": [1, {"a": "]"}]}}\n</tool_call>\n<tool_call>\n{"arguments": {"city": "Oslo"}, '
@@ -57,11 +57,6 @@ def test_pieces_add_up_to_the_calls_of_the_whole_parser(step):
     assert all(len(t) <= step for t in first)
     assert len(first) >= -(-len(calls[0][2]) // step)
     assert "".join(e.text for e in events if isinstance(e, ContentPiece)).strip() == content
-    # chat's deltas of the same events: content, then per call its head and argument pieces
-    deltas = chat_tool_deltas(events)
-    heads = [tc for d in deltas for tc in d.get("tool_calls", []) if "id" in tc]
-    assert [h["function"]["name"] for h in heads] == [c[0] for c in calls]
-    assert all(h["function"]["arguments"] == "" for h in heads)
 
 
 def test_more_than_one_piece_while_the_arguments_are_generated():

@@ -446,18 +446,3 @@ class IncrementalToolCallParser:
         if text:
             out.append(ContentPiece(text))
 
-
-def chat_tool_deltas(events: list[ToolCallEvent]) -> list[dict[str, Any]]:
-    """IncrementalToolCallParser's events as chat completion chunk deltas (`content`, then per
-    call its id, type and name with empty arguments, then its argument pieces)."""
-    out: list[dict[str, Any]] = []
-    for ev in events:
-        if isinstance(ev, ContentPiece):
-            out.append({"content": ev.text})
-        elif isinstance(ev, CallStarted):
-            out.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                        "function": {"name": ev.name, "arguments": ""}}]})
-        elif isinstance(ev, ArgumentsPiece):
-            out.append({"tool_calls": [{"index": ev.index,
-                                        "function": {"arguments": ev.text}}]})
-    return out

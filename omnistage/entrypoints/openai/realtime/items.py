@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,22 @@ class Item:
     audio_samples: int = 0  # pcm16 samples at 24 kHz sent to the client
     codes: int = 0  # codec codes the talker made for it
     audio: bool = False  # the response had audio output
+
+    def cut_to_played(self, played: int, samples_per_code: float | None,
+                      decode: Callable[[list[int]], str]) -> None:
+        """Keep the text tokens whose codes were played (an assistant item truncated to the
+        audio the client played: session.py's module note); samples_per_code None: no
+        response has finished yet, nothing to measure with (left whole)."""
+        if played == 0:
+            keep = 0
+        elif samples_per_code is not None:
+            keep = min(len(self.text_ids), -(-played // max(int(samples_per_code), 1)))
+        else:
+            return
+        self.text_ids = self.text_ids[:keep]
+        self.transcript = decode(self.text_ids)
+        self.audio_samples = played
+        self.status = "incomplete"
 
     def event_item(self) -> dict[str, Any]:
         content: list[dict[str, Any]] = []

@@ -313,19 +313,8 @@ class RealtimeSession:
                          "content_index": 0, "audio_end_ms": ev.audio_end_ms})
 
     def _cut_transcript(self, item: Item, played: int) -> None:
-        """Keep the text tokens whose codes were played (module note)."""
-        per_code = self.clock.samples_per_code
-        if played == 0:
-            keep = 0
-        elif per_code is not None:
-            keep = min(len(item.text_ids), -(-played // max(int(per_code), 1)))
-        else:  # (no response of this server has finished yet: nothing to measure with)
-            return
-        item.text_ids = item.text_ids[:keep]
-        item.transcript = self.state.llm.tokenizer.decode(item.text_ids,
-                                                          skip_special_tokens=True)
-        item.audio_samples = played
-        item.status = "incomplete"
+        item.cut_to_played(played, self.clock.samples_per_code, lambda ids: (
+            self.state.llm.tokenizer.decode(ids, skip_special_tokens=True)))
 
     # ------------------------------------------------------------------ responses
     async def _response_create(self, ev: ResponseCreate) -> None:
