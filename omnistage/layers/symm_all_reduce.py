@@ -93,7 +93,11 @@ class SymmAllReduce:
         self.max_bytes = min(max_bytes, buffer_bytes)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = device = torch.device("cuda", index)  # (compared with tensors' devices)
-        if hasattr(symm_mem, "set_backend"):  # (NVSHMEM's would need a default group)
+        # the CUDA (peer-memory) allocator, not NVSHMEM's, which would need a default group.
+        # torch registers the default backend directly, and set_backend only knows the others:
+        # set_backend("CUDA") where CUDA already is the backend raises (torch 2.11)
+        current = symm_mem.get_backend(device) if hasattr(symm_mem, "get_backend") else "CUDA"
+        if current != "CUDA":
             symm_mem.set_backend("CUDA")
         if rank == 0:
             name = f"omnistage-tp-{uuid.uuid4().hex}"

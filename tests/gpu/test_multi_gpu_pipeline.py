@@ -32,8 +32,10 @@ def _yaml(tmp_path, name: str, per_stage: dict[str, dict]) -> str:
 
 def _run(path, pipeline: str | None):
     msgs = tiny_omni_test_messages()
+    # (compile off in every stage: a cold inductor compile of each stage outlasts a test; the
+    # stages still run from captured CUDA graphs)
     with OmniLLM(str(path), device="cuda:0", dtype="float32", block_size=8,
-                 pipeline=pipeline) as llm:
+                 pipeline=pipeline, compile=False, code2wav_compile=False) as llm:
         outs = llm.generate([{"messages": msgs[c]} for c in CASES], _greedy(), use_tqdm=False)
         devices = {n: str(w.device) for n, w in llm.pipeline.workers.items()}
         replicas = llm.runtime.replica_stats()
