@@ -135,7 +135,7 @@ def new_group(backend: str, rank: int, size: int, host: str, port: int,
         from omnistage.layers.symm_all_reduce import (AUTO_MAX_BYTES, BUFFER_BYTES,
                                                       SymmAllReduce)
         limit = AUTO_MAX_BYTES if all_reduce == "auto" else BUFFER_BYTES
-        symm = SymmAllReduce(store, rank, size, device or torch.device("cuda"), limit)
+        symm = SymmAllReduce(store, rank, size, device or torch.device("cuda"), limit, group)
     return TensorParallel(rank, size, group, store, symm)
 
 

@@ -11,7 +11,8 @@ NVLink multicast (off on the lent machines: TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 NOTE (groups): our groups are c10d backends not registered with torch.distributed, so the
 symmetric memory learns the group from us: a name unique to the group (rank 0 draws it and
 shares it through the group's store), with the rank, size and store
-(_SymmetricMemory.set_group_info). The buffer is allocated and exchanged (rendezvous: a
+(_SymmetricMemory.set_group_info), and a c10d ProcessGroup of that name over the group's NCCL
+backend, registered where c10d resolves names. The buffer is allocated and exchanged (rendezvous: a
 collective over the store and the ranks' IPC handles) once, when the group is made, outside
 any CUDA graph; each all-reduce then only launches the kernel, so it can be captured. The
 kernel ends with a barrier over the ranks, so the next all-reduce may reuse the buffer.
@@ -80,12 +81,25 @@ def resolve_mode(mode: str, devices: list[torch.device]) -> str:
     return "nccl"
 
 
+def _register_group(name: str, store: Any, rank: int, size: int, backend: Any) -> Any:
+    """A c10d ProcessGroup named `name` over our NCCL backend, in c10d's registry of groups."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _register_process_group
+    group = dist.ProcessGroup(store, rank, size)
+    nccl = dist.ProcessGroup.BackendType.NCCL
+    group._set_default_backend(nccl)
+    group._register_backend(torch.device("cuda"), nccl, backend)
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    return group
+
+
 class SymmAllReduce:
     """One rank's one-shot all-reduce of a group (a collective to build: every rank builds it
     in the same order, right after joining the group)."""
 
     def __init__(self, store: Any, rank: int, size: int, device: torch.device,
-                 max_bytes: int, buffer_bytes: int = BUFFER_BYTES) -> None:
+                 max_bytes: int, backend: Any, buffer_bytes: int = BUFFER_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
         from torch._C._distributed_c10d import _SymmetricMemory
         if device.type != "cuda":
@@ -107,6 +121,10 @@ class SymmAllReduce:
         self.group_name = name
         from torch.distributed import PrefixStore  # (its keys apart from the group's own)
         _SymmetricMemory.set_group_info(name, rank, size, PrefixStore(name, store))
+        # torch 2.11's rendezvous resolves the name as a registered process group: ours, with
+        # the group's NCCL backend behind it (registered for this process's lifetime; the name
+        # is unique to the group)
+        self.process_group = _register_group(name, store, rank, size, backend)
         with torch.cuda.device(device):
             self.buffer = symm_mem.empty(buffer_bytes, dtype=torch.uint8, device=device)
             # collective; the C++ entry: torch's Python wrapper resolves the name as a

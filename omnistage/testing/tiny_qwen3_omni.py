@@ -237,7 +237,8 @@ def _reinit_(model: Qwen3OmniMoeForConditionalGeneration) -> None:
     keep transformers' init. transformers' code2wav init gives a near-silent waveform;
     PyTorch's default Linear/Conv init gives an RMS of ~0.1-0.3."""
     with torch.no_grad():
-        text_model = model.thinker.model.language_model
+        # (transformers 5.24 nests the text model; 5.17, on the GPU machines, does not)
+        text_model = getattr(model.thinker.model, "language_model", model.thinker.model)
         _normal_(text_model, 0.1)
         text_model.embed_tokens.weight.normal_(0.0, 1.0)
         _normal_(model.thinker.lm_head, 0.1)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed
 
 from omnistage.config import env
 from omnistage.engine.ar.attention import AttentionMetadata
@@ -328,7 +329,11 @@ def shutdown_group(tp: TensorParallel, abort: bool = False) -> None:
     once no collective of the group is pending on any rank (see the module note); abort: at
     once, pending collectives dropped (after a rank failed)."""
     if tp.group is not None:
-        if abort:
+        # NCCL: abort even in order. Its shutdown (a collective finalize) hung on 2 H200s
+        # (torch 2.11) with the decode graphs' collectives still captured; once every rank
+        # has left its collectives, abort frees the communicator locally without waiting.
+        nccl = getattr(torch.distributed, "ProcessGroupNCCL", None)  # (None: a CPU build)
+        if abort or (nccl is not None and isinstance(tp.group, nccl)):
             tp.group.abort()
         else:
             tp.group.shutdown()
