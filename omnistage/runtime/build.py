@@ -296,15 +296,15 @@ def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],
 
 
 def tp_all_reduce(ctx: StageContext) -> str:
-    """The stage's tp_all_reduce: its YAML `engine:` key, else the constructor's, else "nccl"
-    (ValueError naming tp_all_reduce for a bad constructor value).
-
-    NOTE (default nccl): the one-shot kernel has not yet run on GPUs here (no multi-GPU
-    machine since it was written); "auto" becomes the default once it is measured."""
+    """The stage's tp_all_reduce: its YAML `engine:` key, else the constructor's, else "auto"
+    (ValueError naming tp_all_reduce for a bad constructor value). "auto": the one-shot kernel
+    for a decode step's small all-reduces where the ranks' GPUs have peer access (it equals
+    NCCL's sums and decodes faster: benchmarks/results/
+    qwen3_omni_thinker_tp2_auto_h200x2_issue27_session17_2026-11-28.json), NCCL elsewhere."""
     own = getattr(ctx.stage.engine, "tp_all_reduce", None)
     engine = ctx.options.get("engine")
     wide = engine.get("tp_all_reduce") if isinstance(engine, dict) else None
-    return check_mode(own or wide or "nccl")
+    return check_mode(own or wide or "auto")
 
 
 def build_tp_rank(path: str, config: dict, pipeline: PipelineConfig, name: str,

@@ -6,6 +6,7 @@ needs 2 GPUs: tests/engine/test_tensor_parallel_gpu.py."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -55,7 +56,7 @@ def test_stage_option_over_constructor_option():
         stage = load_pipeline(_llm_yaml(engine)).stages[0]
         options = {"engine": {} if wide_mode is None else {"tp_all_reduce": wide_mode}}
         return SimpleNamespace(stage=stage, options=options)
-    assert tp_all_reduce(ctx(None, None)) == "nccl"
+    assert tp_all_reduce(ctx(None, None)) == "auto"  # (the default)
     assert tp_all_reduce(ctx(None, "nccl")) == "nccl"
     assert tp_all_reduce(ctx("symm_mem", "nccl")) == "symm_mem"
     with pytest.raises(ValueError, match="tp_all_reduce"):
@@ -85,3 +86,34 @@ def test_gloo_stage_keeps_the_groups_all_reduce(tiny_qwen2):
     got = run_stage(tiny_qwen2, "llm", "llm", 2, qwen2_seqs, all_reduce="symm_mem")
     assert got["all_reduce_mode"] == "nccl" and got["symm_calls"] == 0
     first_divergence(ref, got)
+
+
+def test_group_shutdown_is_bounded():
+    """Rank 0's side of a group closes within a bound: a shutdown that blocks (NCCL's did on 2
+    H200s) raises RuntimeError naming it instead of hanging the stage's close; an error of the
+    backend's own reaches the caller."""
+    import time
+
+    from omnistage.engine.ar.tp import shutdown_group_bounded
+    from omnistage.layers.parallel import TensorParallel
+
+    class Backend:
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def shutdown(self) -> None:
+            self.release.wait(10)
+
+        def abort(self) -> None:
+            raise RuntimeError("communicator already gone")
+
+    backend = Backend()
+    tp = TensorParallel(0, 2, backend)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="shutdown did not finish"):
+        shutdown_group_bounded(tp, timeout_s=0.2)
+    assert time.monotonic() - t0 < 2
+    backend.release.set()
+    shutdown_group_bounded(tp, timeout_s=5)  # returns once the backend's shutdown does
+    with pytest.raises(RuntimeError, match="communicator already gone"):
+        shutdown_group_bounded(tp, abort=True, timeout_s=5)

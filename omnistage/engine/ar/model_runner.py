@@ -6,6 +6,7 @@ are EngineConfig's, read here once: the decoder layers get theirs at bind time."
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass, field
 
@@ -107,7 +108,20 @@ class ModelRunner:
         """Tensor parallel rank 0: the other ranks stop, the group is shut, the ranks go back
         to their pool idle (tp.TPWorkers.close). Idempotent."""
         if self.tp_workers is not None:
+            if not self.tp_workers.closed:
+                self.release_graphs()
             self.tp_workers.close()
+
+    def release_graphs(self) -> None:
+        """Destroy this rank's captured graphs, before its tensor-parallel group shuts: NCCL's
+        communicator teardown (shutdown and abort alike) waits until every CUDA graph holding
+        its collectives is gone, and rank 0's close blocked on 2 H200s while they lived."""
+        if self.graphs is None and self.prefill_graphs is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # (no replay may still read them)
+        self.graphs = self.prefill_graphs = None
+        gc.collect()  # (a graph in a reference cycle would otherwise outlive the group)
 
     def idle_capture(self) -> bool:
         """One decode batch size a lazy warm-up queued, captured now (True) if any is left.

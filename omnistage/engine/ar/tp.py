@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed
 
 from omnistage.config import env
 from omnistage.engine.ar.attention import AttentionMetadata
@@ -60,6 +59,7 @@ KIND_EAGER, KIND_GRAPH, KIND_STOP = 1, 2, 3
 HEADER_LEN = 12
 _ROW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEFAULT_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a rank died)
+GROUP_SHUTDOWN_TIMEOUT_S = 30.0  # rank 0's side of a group closing (shutdown_group_bounded)
 
 
 # ------------------------------------------------------------------------- step messages
@@ -329,14 +329,33 @@ def shutdown_group(tp: TensorParallel, abort: bool = False) -> None:
     once no collective of the group is pending on any rank (see the module note); abort: at
     once, pending collectives dropped (after a rank failed)."""
     if tp.group is not None:
-        # NCCL: abort even in order. Its shutdown (a collective finalize) hung on 2 H200s
-        # (torch 2.11) with the decode graphs' collectives still captured; once every rank
-        # has left its collectives, abort frees the communicator locally without waiting.
-        nccl = getattr(torch.distributed, "ProcessGroupNCCL", None)  # (None: a CPU build)
-        if abort or (nccl is not None and isinstance(tp.group, nccl)):
+        if abort:
             tp.group.abort()
         else:
             tp.group.shutdown()
+
+
+def shutdown_group_bounded(tp: TensorParallel, abort: bool = False,
+                           timeout_s: float = GROUP_SHUTDOWN_TIMEOUT_S) -> None:
+    """shutdown_group on a thread of its own, waited for at most timeout_s: RuntimeError if it
+    does not return by then (the communicator is then left to the process's exit). NCCL's
+    shutdown and abort both blocked on rank 0 of 2 H200s (torch 2.11) in a test that steps the
+    stage itself; a stage's close must end either way."""
+    done, errors = threading.Event(), []
+
+    def run() -> None:
+        try:
+            shutdown_group(tp, abort)
+        except Exception as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+        finally:
+            done.set()
+    threading.Thread(target=run, daemon=True, name="omnistage-tp-shutdown").start()
+    if not done.wait(timeout_s):
+        raise RuntimeError(f"tensor parallel: the group's {'abort' if abort else 'shutdown'} "
+                           f"did not finish in {timeout_s:.0f} s")
+    if errors:
+        raise errors[0]
 
 
 def _worker_main(conn) -> None:
@@ -355,6 +374,7 @@ def _worker_main(conn) -> None:
             runner = _join_and_build(setup, build, args)
             conn.send(("ready", rank_report(setup.rank, runner)))
             conn.send(("stopped", follow(runner)))
+            runner.release_graphs()  # (before the group: see ModelRunner.release_graphs)
             shutdown_group(runner.tp)
         except Exception as e:  # reported to rank 0, which fails the stage's start or close
             log.exception("tensor-parallel rank %d failed", setup.rank)
@@ -484,7 +504,10 @@ class TPWorkers:
             if w.proc.is_alive():
                 w.proc.terminate()
                 w.proc.join(5)
-        shutdown_group(self.tp, abort=True)
+        try:
+            shutdown_group_bounded(self.tp, abort=True)
+        except RuntimeError as e:  # the workers are ended already; rank 0's side is moot
+            log.warning("%s", e)
 
     def _expect(self, kind: str, timeout_s: float) -> None:
         for w in self.workers:
@@ -508,7 +531,7 @@ class TPWorkers:
         try:
             StepChannel(self.tp, self.device).send_stop()
             self._expect("stopped", timeout_s)
-            shutdown_group(self.tp)
+            shutdown_group_bounded(self.tp)
             self._expect("idle", timeout_s)
         except Exception:
             self.abandon()
