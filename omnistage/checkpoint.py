@@ -195,10 +195,10 @@ def load_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    # AutoTokenizer's choice, without its heavy import where the checkpoint settles it
+    from omnistage.tokenizer_loader import load_tokenizer as load_known_or_auto
     env.quiet_tokenizer_threads()
-    with quiet_transformers():  # AutoTokenizer reads config.json through AutoConfig
-        return AutoTokenizer.from_pretrained(str(path))
+    return load_known_or_auto(path)
 
 
 def eos_token_ids(generation_config: dict, config: dict, tokenizer) -> set[int]:

@@ -243,8 +243,9 @@ class ImagePipeline:
                              "denoiser, decoder)")
         self.schedule = FlowMatchSchedule.from_config(
             read_json(self.path / "scheduler" / "scheduler_config.json"))
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
+        # AutoTokenizer's choice, without importing it where the folder settles it
+        from omnistage.tokenizer_loader import load_tokenizer
+        self.tokenizer = load_tokenizer(self.path / "tokenizer")
         self.output_modalities = ["image"]
         self.default_params: dict[str, SamplingParams] = {}
         self.voices: dict[str, Any] = {}

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperFeatureExtractor
+from transformers import PreTrainedTokenizerBase, WhisperFeatureExtractor
 
 if TYPE_CHECKING:  # (imported where first built: DeferredImageProcessor)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-from omnistage.checkpoint import quiet_transformers
+from omnistage.tokenizer_loader import load_tokenizer
 from omnistage.models.qwen2_5_omni.media import (
     DEFAULT_MAX_AUDIO_SECONDS,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -276,8 +276,7 @@ class Qwen2_5OmniInputProcessor:
         thinker = read_json_file(root / "config.json").get("thinker_config")
         if not thinker:
             raise ValueError(f"{root}/config.json: no thinker_config (not {cls.family}?)")
-        with quiet_transformers():  # AutoTokenizer reads config.json through AutoConfig
-            tok = AutoTokenizer.from_pretrained(str(root))
+        tok = load_tokenizer(root)  # AutoTokenizer's choice, without importing it
         fe_dict, ip_dict, merged = processor_dicts(root)
         fe = WhisperFeatureExtractor.from_dict(fe_dict)
         ip = DeferredImageProcessor(ip_dict, merged)
