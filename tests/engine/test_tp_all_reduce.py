@@ -117,3 +117,25 @@ def test_group_shutdown_is_bounded():
     shutdown_group_bounded(tp, timeout_s=5)  # returns once the backend's shutdown does
     with pytest.raises(RuntimeError, match="communicator already gone"):
         shutdown_group_bounded(tp, abort=True, timeout_s=5)
+
+
+def test_rank0_releases_its_graphs_before_its_group_shuts(tiny_qwen2, monkeypatch):
+    """ModelRunner.close on rank 0: its captured graphs are destroyed before its side of the
+    group shuts (NCCL's teardown waits for graphs holding its collectives), once."""
+    from omnistage.engine.ar import model_runner as runner_mod
+    from omnistage.engine.ar import tp as tp_mod
+    calls: list[str] = []
+    release = runner_mod.ModelRunner.release_graphs
+    shutdown = tp_mod.shutdown_group_bounded
+
+    def record_release(self):
+        calls.append("release")
+        release(self)
+
+    def record_shutdown(tp, *args, **kwargs):
+        calls.append("shutdown")
+        shutdown(tp, *args, **kwargs)
+    monkeypatch.setattr(runner_mod.ModelRunner, "release_graphs", record_release)
+    monkeypatch.setattr(tp_mod, "shutdown_group_bounded", record_shutdown)
+    got = run_stage(tiny_qwen2, "llm", "llm", 2, qwen2_seqs)  # (closes its runner)
+    assert got["tokens"] and calls == ["release", "shutdown"]
