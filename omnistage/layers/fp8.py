@@ -24,14 +24,20 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 FP8_BACKENDS = ("auto", "torch", "triton")
 
 
-def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_fp8(w: Tensor, combine_row_amax: Callable[[Tensor], Tensor] | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """w [..., N, K] -> (e4m3fn [..., N, K], fp32 scale [..., N] = row amax / 448).
 
-    Dequantised weight = fp8 * scale (round to nearest); an all-zero row gets scale 0."""
+    Dequantised weight = fp8 * scale (round to nearest); an all-zero row gets scale 0.
+    combine_row_amax: w holds a slice of each row (a row-parallel weight under tensor
+    parallelism); it turns the slice's amax into the whole row's (a max over the ranks)."""
     if w.dim() < 2 or not w.dtype.is_floating_point or w.dtype == FP8_DTYPE:
         raise ValueError(f"w: {tuple(w.shape)} {w.dtype}, expected a float matrix [..., N, K]")
     w32 = w.float() if w.dtype != torch.float32 else w.clone()  # worked on in place
-    scale = torch.linalg.vector_norm(w32, ord=float("inf"), dim=-1) / FP8_MAX  # row amax
+    amax = torch.linalg.vector_norm(w32, ord=float("inf"), dim=-1)  # row amax
+    if combine_row_amax is not None:
+        amax = combine_row_amax(amax.contiguous())
+    scale = amax / FP8_MAX
     w32.div_(scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
     return w32.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 

@@ -68,8 +68,7 @@ class TensorParallel:
             return self.symm(x)
         import torch.distributed as dist
         opts = dist.AllreduceOptions()
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        opts.reduceOp = ops[op]
+        opts.reduceOp = getattr(dist.ReduceOp, op.upper())  # SUM, MIN or MAX
         self.group.allreduce([x], opts).wait()
         return x
 
@@ -299,9 +298,5 @@ def quantize_fp8_row_parallel(w: torch.Tensor, tp: TensorParallel
     columns of each output row) with the whole row's scale: the row amax is max-reduced over
     the ranks (collective), so each rank's e4m3 values are its slice of TP=1's and its scales
     are TP=1's (a scale per slice would quantise differently from one rank)."""
-    from omnistage.layers.fp8 import FP8_DTYPE, FP8_MAX
-    w32 = w.to(torch.float32, copy=True)  # worked on in place
-    amax = torch.linalg.vector_norm(w32, ord=float("inf"), dim=-1).contiguous()
-    scale = tp.all_reduce(amax, "max") / FP8_MAX
-    w32.div_(scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
-    return w32.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    from omnistage.layers.fp8 import quantize_fp8
+    return quantize_fp8(w, lambda amax: tp.all_reduce(amax, "max"))

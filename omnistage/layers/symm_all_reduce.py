@@ -11,11 +11,12 @@ NVLink multicast (off on the lent machines: TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 NOTE (groups): our groups are c10d backends not registered with torch.distributed, so the
 symmetric memory learns the group from us: a name unique to the group (rank 0 draws it and
 shares it through the group's store), with the rank, size and store
-(_SymmetricMemory.set_group_info), and a c10d ProcessGroup of that name over the group's NCCL
-backend, registered where c10d resolves names. The buffer is allocated and exchanged (rendezvous: a
-collective over the store and the ranks' IPC handles) once, when the group is made, outside
-any CUDA graph; each all-reduce then only launches the kernel, so it can be captured. The
-kernel ends with a barrier over the ranks, so the next all-reduce may reuse the buffer.
+(_SymmetricMemory.set_group_info), and a c10d ProcessGroup of that name over the group's
+NCCL backend, registered where c10d resolves names (torch 2.11's rendezvous looks the name up
+there). The buffer is allocated and exchanged (rendezvous: a collective over the store and the
+ranks' IPC handles) once, when the group is made, outside any CUDA graph; each all-reduce
+then only launches the kernel, so it can be captured. The kernel ends with a barrier over the
+ranks, so the next all-reduce may reuse the buffer.
 
 Written against torch 2.11's API (the GPU machines'): set_backend / one_shot_all_reduce_copy_out
 are used when present, with the older equivalents otherwise."""
@@ -127,8 +128,7 @@ class SymmAllReduce:
         self.process_group = _register_group(name, store, rank, size, backend)
         with torch.cuda.device(device):
             self.buffer = symm_mem.empty(buffer_bytes, dtype=torch.uint8, device=device)
-            # collective; the C++ entry: torch's Python wrapper resolves the name as a
-            # registered process group in some versions, and ours is not one
+            # (collective: every rank of the group makes this call)
             self.handle = _SymmetricMemory.rendezvous(self.buffer, name)
         torch.cuda.synchronize(device)
         self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)

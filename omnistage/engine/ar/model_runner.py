@@ -108,8 +108,7 @@ class ModelRunner:
         """Tensor parallel rank 0: the other ranks stop, the group is shut, the ranks go back
         to their pool idle (tp.TPWorkers.close). Idempotent."""
         if self.tp_workers is not None:
-            if not self.tp_workers.closed:
-                self.release_graphs()
+            self.release_graphs()
             self.tp_workers.close()
 
     def release_graphs(self) -> None:

@@ -339,8 +339,8 @@ def shutdown_group_bounded(tp: TensorParallel, abort: bool = False,
                            timeout_s: float = GROUP_SHUTDOWN_TIMEOUT_S) -> None:
     """shutdown_group on a thread of its own, waited for at most timeout_s: RuntimeError if it
     does not return by then (the communicator is then left to the process's exit). NCCL's
-    shutdown and abort both blocked on rank 0 of 2 H200s (torch 2.11) in a test that steps the
-    stage itself; a stage's close must end either way."""
+    teardown waits for the CUDA graphs holding its collectives (ModelRunner.release_graphs
+    destroys them first); should anything else hold it, a stage's close still ends."""
     done, errors = threading.Event(), []
 
     def run() -> None:
