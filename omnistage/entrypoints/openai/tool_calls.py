@@ -170,9 +170,8 @@ class ToolCallStream:
         while True:
             start = self.buffer.find(CALL_OPEN)
             if start < 0:
-                keep = _partial_suffix(self.buffer, CALL_OPEN)
-                self._content(out, self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
+                text, self.buffer = _split_before_open(self.buffer)
+                self._content(out, text)
                 return out
             end = self.buffer.find(CALL_CLOSE, start)
             if end < 0:  # inside a call: everything before it can go
@@ -216,6 +215,12 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def _split_before_open(buffer: str) -> tuple[str, str]:
+    """(the text that can be sent, the end held back because it may begin CALL_OPEN)."""
+    cut = len(buffer) - _partial_suffix(buffer, CALL_OPEN)
+    return buffer[:cut], buffer[cut:]
 
 
 # ------------------------------------------------------------------ incremental parsing
@@ -356,9 +361,8 @@ class IncrementalToolCallParser:
             self._after_call = False
         start = self.buffer.find(CALL_OPEN)
         if start < 0:
-            keep = _partial_suffix(self.buffer, CALL_OPEN)
-            self._content(out, self.buffer[:len(self.buffer) - keep])
-            self.buffer = self.buffer[len(self.buffer) - keep:]
+            text, self.buffer = _split_before_open(self.buffer)
+            self._content(out, text)
             return False
         before = self.buffer[:start]
         said = before.rstrip()
