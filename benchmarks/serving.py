@@ -245,11 +245,14 @@ def main() -> None:
         ap.error("--concurrency: positive integers like 1,32; --warmup-rounds: >= 0")
     load = os.getloadavg()
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}}
-    if args.side in ("both", "engine"):  # first: its memory is gone before the server starts
-        result["engine"] = run_engine_side(args)
-        write_result(result, args.out, load)  # (kept if the server side does not finish)
+    # the server first: its process has ended, memory and all, when the engine side loads here
+    # (this process keeps its CUDA context and cached blocks after the engine's shutdown, and a
+    # server started after it sized its KV caches from what was left)
     if args.side in ("both", "server"):
         result["server"] = run_server_side(args)
+        write_result(result, args.out, load)  # (kept if the engine side does not finish)
+    if args.side in ("both", "engine"):
+        result["engine"] = run_engine_side(args)
     if args.side == "both":
         keys = ("ttft_p50", "ttfa_p50", "audio_seconds_per_second", "runtime_ttft_mean",
                 "runtime_ttfa_mean")

@@ -3,6 +3,7 @@ with another holder in the process) and green-context ones (kernels on a share o
 
 from __future__ import annotations
 
+import atexit
 import gc
 import warnings
 import weakref
@@ -10,6 +11,18 @@ import weakref
 import torch
 
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
+_EXIT_COLLECT: list[bool] = []  # [True] once collect_cuda_garbage_at_exit is registered
+
+
+def collect_cuda_garbage_at_exit() -> None:
+    """Register (once per process) a garbage collection at interpreter exit, ahead of the exit
+    handlers registered before it (atexit runs the last registered first): closed stages that
+    only a reference cycle keeps alive (their streams, caches, graphs' pools) are then freed
+    while torch, CUDA and NCCL are still whole. Processes that had built GPU stages crashed
+    (SIGSEGV) in the interpreter's own final collection, after their work."""
+    if not _EXIT_COLLECT:
+        _EXIT_COLLECT.append(True)
+        atexit.register(gc.collect)
 
 
 def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
@@ -24,6 +37,7 @@ def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream
     side (thinker/talker beside code2wav) their split-K kernels hang the GPU. Seen on the H100:
     code2wav's decoder, built after the AR stages' captures, got the talker's capture stream.
     """
+    collect_cuda_garbage_at_exit()
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     held = _HELD_STREAMS.setdefault(index, set())

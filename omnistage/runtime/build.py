@@ -267,8 +267,11 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
                     path, config, pipeline, stage.name, dev, dt, options, placement, kind)
             else:
                 with startup.phase(unit):
-                    workers[unit] = build_stage_worker(path, config, pipeline, stage.name,
-                                                       dev, dt, options, placement)
+                    try:
+                        workers[unit] = build_stage_worker(path, config, pipeline, stage.name,
+                                                           dev, dt, options, placement)
+                    except ValueError as e:  # e.g. num_kv_blocks: which stage did not fit
+                        raise ValueError(f"stage {unit}: {e}") from e
     return workers, process_stages
 
 

@@ -80,3 +80,18 @@ def test_gen_stage_graph_warmup_is_its_own_phase(tiny_omni_dir):
     assert "code2wav.graphs" in phases, phases
     assert 0 <= phases["code2wav.graphs"] <= phases["code2wav"] <= phases["total"], phases
 
+
+
+def test_a_stage_that_cannot_be_built_is_named(tiny_omni_dir, monkeypatch):
+    # e.g. its KV cache does not fit what is left of the device: the error says which stage
+    from omnistage.runtime import build
+    real = build.build_stage_worker
+
+    def build_or_refuse(path, config, pipeline, name, *args):
+        if name == "talker":
+            raise ValueError("num_kv_blocks: memory for 3 blocks cannot hold one sequence")
+        return real(path, config, pipeline, name, *args)
+
+    monkeypatch.setattr(build, "build_stage_worker", build_or_refuse)
+    with pytest.raises(ValueError, match=r"^stage talker: num_kv_blocks: memory for 3 blocks"):
+        OmniLLM(str(tiny_omni_dir), device="cpu")
