@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -97,10 +99,12 @@ def _mean(xs: list) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
-async def warm_then_measure(send, args, result: dict, snapshot, since) -> None:
+async def warm_then_measure(send, args, result: dict, snapshot, since,
+                            profiled: tuple[str, int] | None = None) -> None:
     """`--warmup-rounds` rounds at the largest level (not counted), then each level: one closed
     round of c requests at once (bench.run_level's numbers, and `since(snapshot())`'s: what the
-    side measured itself over the round)."""
+    side measured itself over the round). profiled: (side, process id) whose Python stacks
+    `--py-spy` samples over the largest measured level."""
     biggest = max(args.concurrency)
     result["warmup_rounds"] = []
     for _ in range(args.warmup_rounds):
@@ -110,8 +114,38 @@ async def warm_then_measure(send, args, result: dict, snapshot, since) -> None:
     for c in args.concurrency:
         name = f"c{c}"
         before = snapshot()
-        result[name] = await bench.run_level(send, c, c)
+        spy = start_py_spy(args, *profiled) if profiled and c == biggest else None
+        try:
+            result[name] = await bench.run_level(send, c, c)
+        finally:
+            if spy is not None:
+                result["py_spy"] = stop_py_spy(spy)
         result[name].update(since(before))
+
+
+def start_py_spy(args, side: str, pid: int) -> tuple[subprocess.Popen, str] | None:
+    """py-spy sampling process `pid` (every thread, 200 Hz, without pausing it), its stacks
+    folded into `<--py-spy>_<side>.txt` when stopped; None without --py-spy."""
+    if not args.py_spy:
+        return None
+    out = f"{args.py_spy}_{side}.txt"
+    cmd = [args.py_spy_exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
+           "--nonblocking", "--rate", "200", "--output", out]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True), out
+
+
+def stop_py_spy(spy: tuple[subprocess.Popen, str]) -> dict:
+    """Stop the sampler (SIGINT: it writes its file) and say where the stacks are."""
+    proc, out = spy
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return {"stacks": out, "exit": proc.returncode, "stderr": (err or "")[-500:]}
 
 
 def first_and_warm(result: dict, first: dict, warm: dict) -> None:
@@ -181,7 +215,8 @@ def run_server_side(args) -> dict:
                 first_and_warm(result, *rows)
                 await warm_then_measure(
                     lambda i: bench.one_request(client, url, bench.chat_body(cfg, i)), args,
-                    result, lambda: scrape_histograms(url), server_means)
+                    result, lambda: scrape_histograms(url), server_means,
+                    profiled=("server", proc.pid))
 
         asyncio.run(go())
         return result
@@ -215,7 +250,8 @@ def run_engine_side(args) -> dict:
                 return {"runtime_ttft_mean": _mean([r.get("runtime_ttft") for r in rows]),
                         "runtime_ttfa_mean": _mean([r.get("runtime_ttfa") for r in rows])}
 
-            await warm_then_measure(send, args, result, rows.clear, runtime_means)
+            await warm_then_measure(send, args, result, rows.clear, runtime_means,
+                                    profiled=("engine", os.getpid()))
         finally:
             llm.shutdown()
 
@@ -239,7 +275,13 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--py-spy", default=None, metavar="PREFIX",
+                    help="sample each side's process with py-spy over the largest measured "
+                    "level: folded stacks per thread in PREFIX_server.txt / PREFIX_engine.txt")
+    ap.add_argument("--py-spy-exe", default="py-spy", help="the py-spy executable")
     args = ap.parse_args()
+    if args.py_spy and shutil.which(args.py_spy_exe) is None:
+        ap.error(f"--py-spy-exe: {args.py_spy_exe!r} is not an executable on PATH")
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if not args.concurrency or min(args.concurrency) < 1 or args.warmup_rounds < 0:
         ap.error("--concurrency: positive integers like 1,32; --warmup-rounds: >= 0")
