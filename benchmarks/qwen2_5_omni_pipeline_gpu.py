@@ -91,9 +91,28 @@ def small_config(tok):
                                 ("thinker_config", "talker_config", "token2wav_config")})
 
 
+def fill_vocab(tokenizer_json: Path, vocab_size: int) -> int:
+    """Give every id below vocab_size a text: the tiny tokenizer's BPE knows about 1k ids, and
+    random weights at the real vocab sample ids up to 152k, which decoded to nothing, so a
+    stream's first text came only when an id under 1k was drawn (TTFT measured luck). Filler
+    tokens `<|filler_N|>` (no merge makes them: encoding is unchanged) take the missing ids;
+    returns how many were added."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}
+    added = 0
+    for i in range(vocab_size):
+        if i not in taken:
+            vocab[f"<|filler_{i}|>"] = i
+            added += 1
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+    return added
+
+
 def build_checkpoint(out: Path, small: bool, dev: torch.device) -> dict:
     """Random checkpoint in the released layout; reused when its marker matches."""
-    args = {"version": 2, "small": small}  # 2: the released vision tower's width
+    # 2: the released vision tower's width; 3: every id of the vocab decodes to text
+    args = {"version": 3, "small": small}
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == args:
         return {"reused": True}
@@ -109,6 +128,7 @@ def build_checkpoint(out: Path, small: bool, dev: torch.device) -> dict:
         if f.name not in skip and "safetensors" not in f.name:
             (shutil.copytree if f.is_dir() else shutil.copy)(f, out / f.name)
     cfg = small_config(build_tiny_tokenizer()) if small else real_config()
+    fill_vocab(out / "tokenizer.json", cfg.thinker_config.text_config.vocab_size)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with torch.device(dev):  # random init on the device (fp32: robust), then bf16 in place
         model = Qwen2_5OmniForConditionalGeneration(cfg).eval().to(dtype)
