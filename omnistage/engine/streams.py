@@ -4,6 +4,7 @@ with another holder in the process) and green-context ones (kernels on a share o
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import warnings
 import weakref
@@ -11,18 +12,16 @@ import weakref
 import torch
 
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
-_EXIT_COLLECT: list[bool] = []  # [True] once collect_cuda_garbage_at_exit is registered
 
 
+@functools.cache  # (once per process)
 def collect_cuda_garbage_at_exit() -> None:
-    """Register (once per process) a garbage collection at interpreter exit, ahead of the exit
-    handlers registered before it (atexit runs the last registered first): closed stages that
-    only a reference cycle keeps alive (their streams, caches, graphs' pools) are then freed
-    while torch, CUDA and NCCL are still whole. Processes that had built GPU stages crashed
+    """Register a garbage collection at interpreter exit, ahead of the exit handlers
+    registered before it (atexit runs the last registered first): closed stages that only a
+    reference cycle keeps alive (their streams, caches, graphs' pools) are then freed while
+    torch, CUDA and NCCL are still whole. Processes that had built GPU stages crashed
     (SIGSEGV) in the interpreter's own final collection, after their work."""
-    if not _EXIT_COLLECT:
-        _EXIT_COLLECT.append(True)
-        atexit.register(gc.collect)
+    atexit.register(gc.collect)
 
 
 def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:

@@ -92,14 +92,9 @@ def _resolve(future: asyncio.Future, outcome: list[VadEvent] | Exception) -> Non
         future.set_result(outcome)
 
 
-_shared: VadWorker | None = None
-_shared_lock = threading.Lock()
+_SHARED = VadWorker()  # (cheap to make: its thread starts on the first feed)
 
 
 def shared_vad_worker() -> VadWorker:
     """The process's VAD worker (one thread for every session)."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = VadWorker()
-    return _shared
+    return _SHARED
