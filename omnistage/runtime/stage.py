@@ -202,6 +202,10 @@ class StageLink:
 # deliver(downstream stage, request id, link index, message)
 Deliver = Callable[[str, str, int, Any], None]
 _MOVE_DEPTH = 3  # containers inside a link message searched for tensors
+# A link message's field with this metadata holds host data (codes the next stage reads on
+# the CPU): move_tensors leaves it where it is, so a GPU stage does not copy it to its device
+# and back (a stream sync per request per step)
+HOST_DATA = {"host": True}
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -221,7 +225,8 @@ def move_tensors(obj: Any, device: torch.device, depth: int = _MOVE_DEPTH) -> An
     NVLink/PCIe, queued without a host sync: non_blocking); a tensor that came from another
     process arrived as a CUDA IPC handle, so it too is copied GPU to GPU, never through host
     memory. Towards the CPU (a Ray object, a CPU stage) the copy is blocking, as a
-    non_blocking copy into pageable memory could be read before it lands."""
+    non_blocking copy into pageable memory could be read before it lands. A dataclass field
+    marked HOST_DATA stays where it is."""
     if isinstance(obj, torch.Tensor):
         if obj.device == device or (device.index is None and obj.device.type == device.type):
             return obj
@@ -240,6 +245,8 @@ def move_tensors(obj: Any, device: torch.device, depth: int = _MOVE_DEPTH) -> An
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {}
         for f in dataclasses.fields(obj):
+            if f.metadata.get("host"):
+                continue
             value = getattr(obj, f.name)
             moved_v = move_tensors(value, device, depth - 1)
             if moved_v is not value:

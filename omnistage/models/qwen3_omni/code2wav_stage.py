@@ -125,8 +125,9 @@ class Qwen3OmniCode2WavModel:
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[1] != q:
             raise ValueError(f"codes: a tensor [frames, {q}], got "
                              f"{tuple(getattr(codes, 'shape', ())) or type(codes).__name__}")
-        self.model.check_codes(codes.T[None])  # integer ids in the codebook (a CPU tensor)
-        codes = codes.detach().to("cpu", torch.long)
+        codes = codes.detach().to("cpu")  # checked and queued on the CPU (no device sync)
+        self.model.check_codes(codes.T[None])  # integer ids in the codebook
+        codes = codes.long()
         if codes.shape[0]:  # (the worker holds req.inputs_held() here)
             req.pending.append(codes)
             req.received += codes.shape[0]

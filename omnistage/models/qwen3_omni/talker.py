@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from omnistage.engine.ar.sampler import SamplerState, SamplingTensors
 from omnistage.engine.ar.sequence import MediaSpan, Sequence
 from omnistage.layers.moe_decoder import MoEDecoderConfig, MoEDecoderModel, load_named_tensors
 from omnistage.models.registry import register_adapter, register_model
+from omnistage.runtime.stage import HOST_DATA
 from omnistage.sampling_params import SamplingParams
 
 ALWAYS_READY = 1 << 40
@@ -252,7 +253,7 @@ class ThinkerRows:
 class TalkerFrames:
     """Talker -> code2wav message: new frames [n, K] (int64, CPU; the eos frame removed)."""
 
-    codes: torch.Tensor
+    codes: torch.Tensor = field(metadata=HOST_DATA)  # code2wav queues them on the CPU
     finished: bool
 
 
