@@ -19,6 +19,7 @@ from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.gen import GenStageWorker
 from omnistage.models.qwen2_5_omni.thinker import thinker_sequence
 from omnistage.outputs import OmniRequestOutput
+from omnistage.sampling_params import INT32_MAX
 from omnistage.runtime.build import (StageContext, build_ar_engine, build_stage_worker,
                                      build_stages, generation_defaults, new_request_id,
                                      pop_load_options, resolve_seed, stage_engine_config)
@@ -227,11 +228,16 @@ class ThinkerTalkerPipeline:
         return req
 
     def _talker_params(self, params: dict[str, SamplingParams], where: str) -> SamplingParams:
-        """The request's talker sampling params, validated against the talker's vocab."""
+        """The request's talker sampling params, validated against the talker's vocab.
+        The talker's end codes are its stop ids (not a tokenizer's eos), and one sampled
+        mid-stream is no audio: `ignore_eos` therefore bans them (min_tokens = max_tokens), so
+        the talker runs to max_tokens, as a user asking for fixed-length audio means."""
         name = self.roles["talker"].name
         tp = params[name]
         tp.validate(where.replace("prompts", "sampling_params") + f"[{name}]",
                     self.talker_vocab_size)
+        if tp.ignore_eos:
+            tp = replace(tp, min_tokens=INT32_MAX if tp.max_tokens is None else tp.max_tokens)
         return tp
 
     def _route_audio(self, req: RuntimeRequest, adapter: Any, talker_request: Any,
