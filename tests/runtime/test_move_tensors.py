@@ -1,6 +1,6 @@
 """move_tensors (link messages between stages on different devices): tensors move next to the
-receiving stage, except a field marked HOST_DATA, which the next stage reads on the CPU (Qwen3-Omni's
-talker -> code2wav codes). The "meta" device stands in for a GPU here."""
+receiving stage, except a field marked HOST_DATA, which the next stage reads on the CPU
+(Qwen3-Omni's talker -> code2wav codes). The "meta" device stands in for a GPU here."""
 
 from __future__ import annotations
 
