@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import free_port, stop_server, write_result
 from omnistage.entrypoints import bench
+from omnistage.entrypoints.sse_client import SSEClient
 
 # /metrics histograms -> the level's mean, in seconds (the server's path, and its runtime's)
 SERVER_MEANS = {"server_prepare_mean": "omnistage_server_prepare_seconds",
@@ -203,20 +204,22 @@ def run_server_side(args) -> dict:
             return out
 
         async def go() -> None:
-            limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
-            async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-                # (the client's own first-use costs and its connection: paid on /health)
-                (await client.get(url + "/health")).raise_for_status()
+            client = SSEClient(url)  # (bench.one_request's client: sse_client says why)
+
+            def send(i: int):
+                return bench.one_request(client, bench.chat_body(cfg, i), args.request_timeout)
+
+            try:
                 rows = []
                 for _ in range(2):  # the first request after start, then the same one warm
                     before = scrape_histograms(url)
-                    rows.append(await bench.one_request(client, url, bench.chat_body(cfg, 0)))
+                    rows.append(await send(0))
                     rows[-1].update(server_means(before))  # (the server's side of it)
                 first_and_warm(result, *rows)
-                await warm_then_measure(
-                    lambda i: bench.one_request(client, url, bench.chat_body(cfg, i)), args,
-                    result, lambda: scrape_histograms(url), server_means,
-                    profiled=("server", proc.pid))
+                await warm_then_measure(send, args, result, lambda: scrape_histograms(url),
+                                        server_means, profiled=("server", proc.pid))
+            finally:
+                await client.aclose()
 
         asyncio.run(go())
         return result

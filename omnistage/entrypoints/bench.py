@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from omnistage.entrypoints.sse_client import HTTPStatusError, SSEClient
+
 PCM16_RATE = 24000  # the server's pcm16 audio deltas: int16 mono at 24 kHz
 DEFAULT_PROMPT = "Tell me a short story about a lighthouse keeper and a storm."
 MAX_CONCURRENCY = 4096
@@ -111,19 +113,18 @@ def _b64_bytes(data: str) -> int:
     return len(data) // 4 * 3 - len(data[-2:]) + len(data[-2:].rstrip("="))
 
 
-async def one_request(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
+async def one_request(client: SSEClient, body: dict[str, Any], timeout: float
                       ) -> dict[str, Any]:
     """Stream one chat completion: client-side ttft, ttfa, e2e (s), audio seconds and the
-    usage's token counts; {"error": ...} when it fails."""
+    usage's token counts; {"error": ...} when it fails (or outlasts `timeout` seconds)."""
     t0 = time.perf_counter()
     ttft = ttfa = None
     samples = 0
     usage: dict[str, Any] = {}
     try:
-        async with client.stream("POST", base_url + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"}
-            async for line in resp.aiter_lines():
+        async with asyncio.timeout(timeout), \
+                client.post_events("/v1/chat/completions", body) as lines:
+            async for line in lines:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -139,7 +140,12 @@ async def one_request(client: httpx.AsyncClient, base_url: str, body: dict[str, 
                     if audio.get("data"):
                         ttfa = now if ttfa is None else ttfa
                         samples += _b64_bytes(audio["data"]) // 2
-    except (httpx.HTTPError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
+    except HTTPStatusError as e:
+        return {"error": str(e)[:300]}
+    except TimeoutError:
+        return {"error": f"timed out after {timeout} s"}
+    except (OSError, EOFError, asyncio.LimitOverrunError, ValueError) as e:
+        # (a dropped connection, a cut body, a malformed answer; JSONDecodeError: ValueError)
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     details = usage.get("completion_tokens_details") or {}
     return {"ttft": ttft, "ttfa": ttfa, "e2e": time.perf_counter() - t0,
@@ -228,19 +234,21 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Warm-up rounds, then every level: {"config": ..., "levels": {"c1": ..., ...}}."""
     cfg.validate()
     biggest = max(cfg.concurrency)
-    limits = httpx.Limits(max_connections=biggest + 8, max_keepalive_connections=biggest + 8)
-    async with httpx.AsyncClient(timeout=cfg.request_timeout, limits=limits,
-                                 headers=_headers(cfg)) as client:
+    async with httpx.AsyncClient(timeout=cfg.request_timeout, headers=_headers(cfg)) as client:
         await check_server(client, cfg)
-        seeds = itertools.count(cfg.seed)  # every request its own seed
+    streams = SSEClient(cfg.base_url, _headers(cfg))  # the streamed requests (sse_client)
+    seeds = itertools.count(cfg.seed)  # every request its own seed
 
-        async def send(_: int) -> dict[str, Any]:
-            return await one_request(client, cfg.base_url, chat_body(cfg, next(seeds)))
+    async def send(_: int) -> dict[str, Any]:
+        return await one_request(streams, chat_body(cfg, next(seeds)), cfg.request_timeout)
 
+    try:
         warmup = [await run_level(send, biggest, biggest) for _ in range(cfg.warmup_rounds)]
         levels = {}
         for c in cfg.concurrency:
             levels[f"c{c}"] = await run_level(send, c, cfg.num_prompts or c)
+    finally:
+        await streams.aclose()
     config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
     return {"config": config, "warmup_errors": sum(w["errors"] for w in warmup),
             "levels": levels}
