@@ -123,8 +123,8 @@ class SymmAllReduce:
         from torch.distributed import PrefixStore  # (its keys apart from the group's own)
         _SymmetricMemory.set_group_info(name, rank, size, PrefixStore(name, store))
         # torch 2.11's rendezvous resolves the name as a registered process group: ours, with
-        # the group's NCCL backend behind it (registered for this process's lifetime; the name
-        # is unique to the group)
+        # the group's NCCL backend behind it (the name is unique to the group; close()
+        # unregisters it)
         self.process_group = _register_group(name, store, rank, size, backend)
         with torch.cuda.device(device):
             self.buffer = symm_mem.empty(buffer_bytes, dtype=torch.uint8, device=device)
@@ -152,3 +152,14 @@ class SymmAllReduce:
             torch.ops.symm_mem.one_shot_all_reduce_out(symm, "sum", self.group_name, x)
         self.num_calls += 1
         return x
+
+    def close(self) -> None:
+        """Before the group's communicator shuts: the peer buffer is released and the group
+        leaves c10d's registry. Left registered, the registry (a C++ static) kept the NCCL
+        backend alive to the process's very end, past CUDA's teardown: TP processes crashed
+        (SIGSEGV) after their interpreter had finished."""
+        from torch._C._distributed_c10d import _unregister_process_group
+        self.handle = self.buffer = None
+        if self.process_group is not None:
+            _unregister_process_group(self.group_name)
+            self.process_group = None

@@ -139,3 +139,24 @@ def test_rank0_releases_its_graphs_before_its_group_shuts(tiny_qwen2, monkeypatc
     monkeypatch.setattr(tp_mod, "shutdown_group_bounded", record_shutdown)
     got = run_stage(tiny_qwen2, "llm", "llm", 2, qwen2_seqs)  # (closes its runner)
     assert got["tokens"] and calls == ["release", "shutdown"]
+
+
+def test_symm_close_unregisters_the_group():
+    """close() takes the group out of c10d's registry (a C++ static that otherwise kept the
+    NCCL backend alive past CUDA's teardown at exit) and drops the peer buffer; idempotent.
+    A gloo-less ProcessGroup on a HashStore stands in for the NCCL one here (CPU)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+
+    from omnistage.layers.symm_all_reduce import SymmAllReduce
+    name = "omnistage-test-symm-close"
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    _register_process_group(name, group)
+    assert _resolve_process_group(name) is not None
+    symm = object.__new__(SymmAllReduce)  # (its real build needs CUDA peers)
+    symm.group_name, symm.process_group, symm.handle, symm.buffer = name, group, object(), object()
+    symm.close()
+    assert symm.handle is None and symm.buffer is None and symm.process_group is None
+    with pytest.raises(RuntimeError, match="Could not resolve"):
+        _resolve_process_group(name)
+    symm.close()  # a second close is a no-op

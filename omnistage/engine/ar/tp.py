@@ -328,6 +328,8 @@ def shutdown_group(tp: TensorParallel, abort: bool = False) -> None:
     """This rank's side of the group: its communicator (NCCL) or connections (gloo) closed,
     once no collective of the group is pending on any rank (see the module note); abort: at
     once, pending collectives dropped (after a rank failed)."""
+    if tp.symm is not None:
+        tp.symm.close()
     if tp.group is not None:
         if abort:
             tp.group.abort()
