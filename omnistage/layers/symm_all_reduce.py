@@ -155,9 +155,8 @@ class SymmAllReduce:
 
     def close(self) -> None:
         """Before the group's communicator shuts: the peer buffer is released and the group
-        leaves c10d's registry. Left registered, the registry (a C++ static) kept the NCCL
-        backend alive to the process's very end, past CUDA's teardown: TP processes crashed
-        (SIGSEGV) after their interpreter had finished."""
+        leaves c10d's registry, which (a C++ static) would otherwise keep the closed group's
+        NCCL backend alive to the process's very end."""
         from torch._C._distributed_c10d import _unregister_process_group
         self.handle = self.buffer = None
         if self.process_group is not None:

@@ -142,8 +142,9 @@ def test_rank0_releases_its_graphs_before_its_group_shuts(tiny_qwen2, monkeypatc
 
 
 def test_symm_close_unregisters_the_group():
-    """close() takes the group out of c10d's registry (a C++ static that otherwise kept the
-    NCCL backend alive past CUDA's teardown at exit) and drops the peer buffer; idempotent.
+    """close() takes the group out of c10d's registry (a C++ static that otherwise keeps the
+    closed group's NCCL backend alive to the process's end) and drops the peer buffer;
+    idempotent.
     A gloo-less ProcessGroup on a HashStore stands in for the NCCL one here (CPU)."""
     import torch.distributed as dist
     from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
