@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +20,8 @@ from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one SSE line (a large audio delta fits)
+IDLE_KEEP_S = 2.0  # an idle kept-alive connection older than this is not reused (uvicorn
+# closes idle connections after 5 s: one closing as a request is written would fail it)
 
 
 class HTTPStatusError(Exception):
@@ -43,16 +46,41 @@ class SSEClient:
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.head = f"Host: {netloc}\r\nContent-Type: application/json\r\n" \
                     f"Accept: text/event-stream\r\n{extra}"
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        while self.idle:
-            reader, writer = self.idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
-            writer.close()
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
                                              limit=MAX_LINE_BYTES)
+
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                                   int, dict[str, str]]:
+        """Writes `request` and reads the answer's head, on an idle kept-alive connection if
+        one is fresh enough. A reused connection that the server had closed meanwhile (no
+        byte of an answer: it never took the request) is replaced by a new one, once, as
+        HTTP clients do."""
+        now = time.monotonic()
+        while self.idle:
+            since, reader, writer = self.idle.pop()
+            if now - since < IDLE_KEEP_S and not writer.is_closing() and not reader.at_eof():
+                try:
+                    writer.write(request)
+                    return reader, writer, *await _read_head(reader)
+                except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as e:
+                    writer.close()
+                    if isinstance(e, asyncio.IncompleteReadError) and e.partial:
+                        raise  # (it answered something: the request was taken)
+                    break
+                except BaseException:
+                    writer.close()
+                    raise
+            writer.close()
+        reader, writer = await self._open()
+        try:
+            writer.write(request)
+            return reader, writer, *await _read_head(reader)
+        except BaseException:
+            writer.close()
+            raise
 
     @asynccontextmanager
     async def post_events(self, path: str, body: dict[str, Any]) -> AsyncIterator[
@@ -61,12 +89,11 @@ class SSEClient:
         line ends) once it answered 200; HTTPStatusError otherwise. The connection goes back
         to the pool only when the body was read to its end."""
         payload = json.dumps(body).encode()
-        reader, writer = await self._connection()
+        reader, writer, status, headers = await self._send(
+            f"POST {self.path_prefix}{path} HTTP/1.1\r\n{self.head}"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         reusable = False
         try:
-            writer.write(f"POST {self.path_prefix}{path} HTTP/1.1\r\n{self.head}"
-                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-            status, headers = await _read_head(reader)
             chunked = "chunked" in headers.get("transfer-encoding", "")
             length = int(headers["content-length"]) if "content-length" in headers else None
             keep = headers.get("connection", "").lower() != "close" and (chunked or
@@ -80,12 +107,12 @@ class SSEClient:
             reusable = keep and state["done"]
         finally:
             if reusable:
-                self.idle.append((reader, writer))
+                self.idle.append((time.monotonic(), reader, writer))
             else:
                 writer.close()
 
     async def aclose(self) -> None:
-        for _, writer in self.idle:
+        for _, _, writer in self.idle:
             writer.close()
         self.idle.clear()
 

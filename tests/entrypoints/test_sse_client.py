@@ -106,6 +106,35 @@ def test_streams_errors_and_reuse():
     asyncio.run(main())
 
 
+def test_a_kept_alive_connection_the_server_closed_is_replaced():
+    """A server that answers one request per connection and drops the connection at the next
+    one, unanswered (as a server closing an idle connection while a request is on its way):
+    that request is sent again on a new connection, once, and every request succeeds."""
+    answered: set = set()
+
+    async def one_per_connection(body, writer) -> bool:
+        if writer in answered:
+            return False  # closed, no byte of an answer
+        answered.add(writer)
+        return await _script(body, writer)
+
+    async def main():
+        server, conns = await _serve(one_per_connection)
+        port = server.sockets[0].getsockname()[1]
+        client = SSEClient(f"http://127.0.0.1:{port}")
+        try:
+            for _ in range(3):
+                row = await bench.one_request(client, _body("ok"), 5)
+                assert "error" not in row and row["output_tokens"] == 7
+            assert conns == [2, 2, 1]  # each dropped request was sent again on a new one
+        finally:
+            await client.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
 def test_bad_base_url_is_named():
     import pytest
     with pytest.raises(ValueError, match="base_url"):
