@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
 
 from omnistage.entrypoints import bench
 from omnistage.entrypoints.sse_client import SSEClient
@@ -18,9 +19,11 @@ def _event(obj) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-async def _serve(script):
-    """A server whose every request is answered by script(n, writer) (n: the request's number
-    on its connection); returns (server, per-connection request counts)."""
+@asynccontextmanager
+async def _client_of(script):
+    """An SSEClient of a loopback server whose every request is answered by
+    script(body, writer) (False: the connection is closed after it); yields (client, the
+    requests each connection carried)."""
     conns: list[int] = []
 
     async def handle(reader, writer):
@@ -42,7 +45,14 @@ async def _serve(script):
         except asyncio.CancelledError:  # the test's loop ends ("slow" still sleeping)
             writer.close()
 
-    return await asyncio.start_server(handle, "127.0.0.1", 0), conns
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = SSEClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        yield client, conns
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 async def _script(body, writer) -> bool:
@@ -77,10 +87,7 @@ def _body(kind: str) -> dict:
 
 def test_streams_errors_and_reuse():
     async def main():
-        server, conns = await _serve(_script)
-        port = server.sockets[0].getsockname()[1]
-        client = SSEClient(f"http://127.0.0.1:{port}")
-        try:
+        async with _client_of(_script) as (client, conns):
             ok = await bench.one_request(client, _body("ok"), 5)
             assert ok["ttft"] is not None and ok["ttfa"] is not None
             assert ok["audio_s"] == 3 / bench.PCM16_RATE and ok["output_tokens"] == 7
@@ -98,10 +105,6 @@ def test_streams_errors_and_reuse():
             rows = await asyncio.gather(*(bench.one_request(client, _body("ok"), 5)
                                           for _ in range(8)))  # concurrent: new connections
             assert all("error" not in r for r in rows) and len(client.idle) == 8
-        finally:
-            await client.aclose()
-            server.close()
-            await server.wait_closed()
 
     asyncio.run(main())
 
@@ -119,18 +122,11 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced():
         return await _script(body, writer)
 
     async def main():
-        server, conns = await _serve(one_per_connection)
-        port = server.sockets[0].getsockname()[1]
-        client = SSEClient(f"http://127.0.0.1:{port}")
-        try:
+        async with _client_of(one_per_connection) as (client, conns):
             for _ in range(3):
                 row = await bench.one_request(client, _body("ok"), 5)
                 assert "error" not in row and row["output_tokens"] == 7
             assert conns == [2, 2, 1]  # each dropped request was sent again on a new one
-        finally:
-            await client.aclose()
-            server.close()
-            await server.wait_closed()
 
     asyncio.run(main())
 
