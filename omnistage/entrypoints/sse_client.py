@@ -48,39 +48,32 @@ class SSEClient:
                     f"Accept: text/event-stream\r\n{extra}"
         self.idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
-                                             limit=MAX_LINE_BYTES)
-
-    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
-                                                   int, dict[str, str]]:
-        """Writes `request` and reads the answer's head, on an idle kept-alive connection if
-        one is fresh enough. A reused connection that the server had closed meanwhile (no
-        byte of an answer: it never took the request) is replaced by a new one, once, as
-        HTTP clients do."""
+    def _take_idle(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A kept-alive connection fresh enough to reuse (the stale ones are closed)."""
         now = time.monotonic()
         while self.idle:
             since, reader, writer = self.idle.pop()
             if now - since < IDLE_KEEP_S and not writer.is_closing() and not reader.at_eof():
-                try:
-                    writer.write(request)
-                    return reader, writer, *await _read_head(reader)
-                except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as e:
-                    writer.close()
-                    if isinstance(e, asyncio.IncompleteReadError) and e.partial:
-                        raise  # (it answered something: the request was taken)
-                    break
-                except BaseException:
-                    writer.close()
-                    raise
+                return reader, writer
             writer.close()
-        reader, writer = await self._open()
-        try:
-            writer.write(request)
-            return reader, writer, *await _read_head(reader)
-        except BaseException:
-            writer.close()
-            raise
+        return None
+
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                                   int, dict[str, str]]:
+        """Writes `request` and reads the answer's head, on an idle kept-alive connection if
+        there is one. A reused connection that the server had closed meanwhile (no byte of an
+        answer: it never took the request) is replaced by a new one, once, as HTTP clients
+        do."""
+        conn = self._take_idle()
+        if conn is not None:
+            try:
+                return *conn, *await _exchange(*conn, request)
+            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as e:
+                if isinstance(e, asyncio.IncompleteReadError) and e.partial:
+                    raise  # (it answered something: the request was taken)
+        conn = await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
+                                             limit=MAX_LINE_BYTES)
+        return *conn, *await _exchange(*conn, request)
 
     @asynccontextmanager
     async def post_events(self, path: str, body: dict[str, Any]) -> AsyncIterator[
@@ -115,6 +108,17 @@ class SSEClient:
         for _, _, writer in self.idle:
             writer.close()
         self.idle.clear()
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    request: bytes) -> tuple[int, dict[str, str]]:
+    """Writes the request, reads the answer's head; the connection is closed if that fails."""
+    try:
+        writer.write(request)
+        return await _read_head(reader)
+    except BaseException:
+        writer.close()
+        raise
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
