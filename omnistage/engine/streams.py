@@ -3,8 +3,6 @@ with another holder in the process) and green-context ones (kernels on a share o
 
 from __future__ import annotations
 
-import atexit
-import functools
 import gc
 import warnings
 import weakref
@@ -12,16 +10,6 @@ import weakref
 import torch
 
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
-
-
-@functools.cache  # (once per process)
-def collect_cuda_garbage_at_exit() -> None:
-    """Register a garbage collection at interpreter exit, ahead of the exit handlers
-    registered before it (atexit runs the last registered first): closed stages that only a
-    reference cycle keeps alive (their streams, caches, graphs' pools) are then freed while
-    torch, CUDA and NCCL are still whole. Processes that had built GPU stages crashed
-    (SIGSEGV) in the interpreter's own final collection, after their work."""
-    atexit.register(gc.collect)
 
 
 def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
@@ -36,7 +24,6 @@ def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream
     side (thinker/talker beside code2wav) their split-K kernels hang the GPU. Seen on the H100:
     code2wav's decoder, built after the AR stages' captures, got the talker's capture stream.
     """
-    collect_cuda_garbage_at_exit()
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     held = _HELD_STREAMS.setdefault(index, set())
