@@ -36,11 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class TensorParallel:
     """This process's place in a stage's tensor-parallel group. `group` is a c10d backend
-    (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA) of `size` ranks; None when size is 1.
-    Collectives must be called by every rank in the same order."""
+    (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA) of `size` ranks; None when size is 1
+    or once released. Collectives must be called by every rank in the same order. One object
+    per group, shared by the stage's model, runner and workers' handle, so release() reaches
+    them all."""
 
     rank: int = 0
     size: int = 1
@@ -53,6 +55,18 @@ class TensorParallel:
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    def release(self) -> None:
+        """Drop the (shut) group, its store and the one-shot all-reduce. Python holds the only
+        references to them, so their C++ destructors run now: NCCL's watchdog and heartbeat
+        threads and the store server's thread are joined while CUDA is alive, not left running
+        into the interpreter's finalisation (where they crashed the process at exit)."""
+        self.group = self.store = self.symm = None
+
+    def _group(self):
+        if self.group is None:
+            raise RuntimeError("tensor parallel: the group is shut")
+        return self.group
 
     @property
     def all_reduce_mode(self) -> str:
@@ -69,7 +83,7 @@ class TensorParallel:
         import torch.distributed as dist
         opts = dist.AllreduceOptions()
         opts.reduceOp = getattr(dist.ReduceOp, op.upper())  # SUM, MIN or MAX
-        self.group.allreduce([x], opts).wait()
+        self._group().allreduce([x], opts).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +92,7 @@ class TensorParallel:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x]).wait()
+        self._group().allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +101,7 @@ class TensorParallel:
             import torch.distributed as dist
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            self.group.broadcast([x], opts).wait()
+            self._group().broadcast([x], opts).wait()
         return x
 
 

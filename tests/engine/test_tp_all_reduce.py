@@ -115,8 +115,9 @@ def test_group_shutdown_is_bounded():
     assert time.monotonic() - t0 < 2
     backend.release.set()
     shutdown_group_bounded(tp, timeout_s=5)  # returns once the backend's shutdown does
+    assert tp.group is None  # released: shut once
     with pytest.raises(RuntimeError, match="communicator already gone"):
-        shutdown_group_bounded(tp, abort=True, timeout_s=5)
+        shutdown_group_bounded(TensorParallel(0, 2, backend), abort=True, timeout_s=5)
 
 
 def test_rank0_releases_its_graphs_before_its_group_shuts(tiny_qwen2, monkeypatch):

@@ -327,7 +327,8 @@ def _join_and_build(setup: RankSetup, build: Callable[..., Any], args: tuple):
 def shutdown_group(tp: TensorParallel, abort: bool = False) -> None:
     """This rank's side of the group: its communicator (NCCL) or connections (gloo) closed,
     once no collective of the group is pending on any rank (see the module note); abort: at
-    once, pending collectives dropped (after a rank failed)."""
+    once, pending collectives dropped (after a rank failed). The group and its store are then
+    released (TensorParallel.release)."""
     if tp.symm is not None:
         tp.symm.close()
     if tp.group is not None:
@@ -335,6 +336,7 @@ def shutdown_group(tp: TensorParallel, abort: bool = False) -> None:
             tp.group.abort()
         else:
             tp.group.shutdown()
+    tp.release()
 
 
 def shutdown_group_bounded(tp: TensorParallel, abort: bool = False,
