@@ -39,6 +39,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -391,11 +392,24 @@ def _worker_main(conn) -> None:
         conn.send(("idle", os.getpid()))
 
 
+def _worker_process(conn) -> None:
+    """The worker process's body: its job loop, then an immediate exit. A process that ran an
+    NCCL group segfaults in the interpreter's at-exit finalisation (torch 2.11 on 2xH200, with
+    or without CUDA graphs or the one-shot all-reduce; docs/distributed.md), which turned the
+    exit code of an idle rank that left cleanly into -11. The loop has released everything it
+    holds by then; only the output streams need flushing."""
+    _worker_main(conn)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class _Worker:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
+        self.proc = ctx.Process(target=_worker_process, args=(child,), daemon=True,
                                 name="omnistage-tp-worker")
         self.proc.start()
         child.close()
