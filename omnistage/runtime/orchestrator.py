@@ -15,7 +15,6 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,11 +32,6 @@ from omnistage.runtime.stage import (LaunchedStep, StageEvent, StageHost, StageL
                                      StageWorker, on_device)
 
 log = logging.getLogger("omnistage.runtime")
-# The runtime thread shares the GIL with the caller's threads (the server's HTTP loop). A
-# thread that wants the GIL waits until its holder blocks or this interval ends (Python's
-# default: 5 ms), so each GIL hand-back after a launch or a poll could wait up to 5 ms while
-# the loop encodes a burst of streamed chunks: the runtime lowers the interval to this.
-GIL_SWITCH_INTERVAL_S = 0.0005
 STALL_WARNING_SECONDS = 60.0  # a launched step this long unfinished is logged (with streams)
 
 
@@ -129,7 +123,6 @@ class Orchestrator:
         if self.remote:
             self._start_remote(startup_timeout)
         if background:
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._loop, name="omnistage-runtime",
                                             daemon=True)
             self._thread.start()

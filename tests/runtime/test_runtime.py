@@ -166,24 +166,3 @@ def test_async_bad_input_raises_before_work(tiny_omni_dir):
     asyncio.run(main())
     assert llm.runtime.num_active() == 0
     llm.shutdown()
-
-
-def test_background_runtime_shortens_the_gil_switch_interval():
-    """A background runtime thread shares the GIL with the caller's threads (an HTTP loop): it
-    lowers Python's switch interval (never raises it); a caller-driven runtime leaves it."""
-    import sys
-
-    from omnistage.runtime.orchestrator import GIL_SWITCH_INTERVAL_S, Orchestrator
-    saved = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        Orchestrator({}, background=False)
-        assert sys.getswitchinterval() == 0.005
-        runtime = Orchestrator({}, background=True)
-        runtime.shutdown()
-        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
-        sys.setswitchinterval(0.0001)
-        Orchestrator({}, background=True).shutdown()
-        assert sys.getswitchinterval() < GIL_SWITCH_INTERVAL_S / 2  # (stored in whole µs)
-    finally:
-        sys.setswitchinterval(saved)
