@@ -318,6 +318,27 @@ def test_shutdown_stops_ranks_in_order(tiny_qwen2, tmp_path, background, devices
     assert tp_mod.idle_workers() == []
 
 
+def test_script_without_main_guard_fails_fast(tiny_qwen2, tmp_path):
+    """The worker ranks are spawned processes that import the main script; one that builds a
+    TP stage unguarded fails in each rank's start-up. Rank 0 raises naming the guard, at once,
+    instead of waiting DEFAULT_TIMEOUT_S (300 s) in the group's rendezvous."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from omnistage import OmniLLM\n"
+        f"OmniLLM({str(tiny_qwen2)!r}, device='cpu', max_model_len=256,\n"
+        f"        pipeline={tp_llm_yaml(tmp_path, ['cpu', 'cpu'])!r})\n"
+        "print('built')\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert time.monotonic() - t0 < 60
+    assert done.returncode != 0 and "built" not in done.stdout
+    assert "ended (exit code" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+
+
 # ------------------------------------------------------------------------- bad sizes
 def test_bad_tensor_parallel_sizes(tiny_qwen2):
     from omnistage.models.qwen2.model import Qwen2ForCausalLM

@@ -41,6 +41,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -375,6 +376,7 @@ def _worker_main(conn) -> None:
         if job is None:
             return
         setup, build, args = job
+        conn.send(("joining", os.getpid()))
         try:
             runner = _join_and_build(setup, build, args)
             conn.send(("ready", rank_report(setup.rank, runner)))
@@ -576,6 +578,48 @@ def start_workers(size: int, devices: list[torch.device], build: Callable[..., A
     for rank, w in enumerate(workers, 1):
         w.conn.send((RankSetup(rank, size, backend, host, port, str(devices[rank]), timeout_s,
                                threads, all_reduce), build, args))
+    _wait_joining(workers, timeout_s)
     tp = new_group(backend, 0, size, host, port, timeout_s, all_reduce, devices[0])
     handle = TPWorkers(tp, workers, devices[0])
     return tp, handle
+
+
+def _wait_joining(workers: list[_Worker], timeout_s: float) -> None:
+    """Each worker rank took its job (it is joining the group), before rank 0 blocks in the
+    group's rendezvous: a rank whose process ended first (a spawned process that failed to
+    start, typically a script without a __main__ guard) is a RuntimeError now, not a wait of
+    timeout_s in the rendezvous."""
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        while True:
+            try:
+                if w.conn.poll(0.05):
+                    msg = w.conn.recv()
+                    break
+                ended = not w.proc.is_alive()
+            except (EOFError, OSError):  # its end of the pipe closed: the process ended
+                ended = True
+            if ended:
+                _end(workers)
+                raise RuntimeError(
+                    f"tensor parallel: worker rank process {w.proc.pid} ended (exit code "
+                    f"{w.proc.exitcode}) before joining the group; its error is on stderr. "
+                    "The ranks are spawned processes that import the main script: a script "
+                    "that builds a multi-device stage must guard its entry point with "
+                    "`if __name__ == \"__main__\":`")
+            if time.monotonic() >= deadline:
+                _end(workers)
+                raise RuntimeError(f"tensor parallel: worker rank process {w.proc.pid} did "
+                                   f"not take its job in {timeout_s:.0f} s")
+        if msg[0] != "joining":
+            _end(workers)
+            raise RuntimeError(f"tensor parallel: a worker rank sent {msg[0]!r}, expected "
+                               f"'joining'" + (f": {msg[1]}" if msg[0] == "error" else ""))
+
+
+def _end(workers: list[_Worker]) -> None:
+    """Terminate worker ranks that will not join (they never enter the pool again)."""
+    for w in workers:
+        if w.proc.is_alive():
+            w.proc.terminate()
+        w.proc.join(5)
