@@ -43,7 +43,7 @@ def quiet_tokenizer_threads() -> None:
 def nccl_device_rules() -> None:
     """NVLink multicast off for NCCL (a rule of the lent multi-GPU machines, not a user
     setting): set before this process initialises NCCL, and inherited by the tensor-parallel
-    ranks it spawns (engine/ar/tp.py)."""
+    ranks it spawns (engine/ar/tp_workers.py)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 

@@ -16,7 +16,7 @@ from omnistage.config.schema import (MAX_STAGE_DEVICES, EngineOptions, PipelineC
                                      StageConfig)
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
-from omnistage.engine.ar.tp import start_workers
+from omnistage.engine.ar.tp_workers import start_workers
 from omnistage.layers.parallel import current_tp, tensor_parallel
 from omnistage.layers.symm_all_reduce import check_mode
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
@@ -278,7 +278,7 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
 def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],
                 placement: StagePlacement):
     """build(ctx); with ctx.tensor_parallel_size N > 1 (outside a rank's group) as rank 0 of N:
-    ranks 1..N-1 start in processes of their own (engine/ar/tp.py), each building the same
+    ranks 1..N-1 start in processes of their own (engine/ar/tp_workers.py), each building the same
     stage on its device (ctx.devices[rank]) and following rank 0's steps."""
     size = ctx.tensor_parallel_size
     if size == 1 or current_tp().enabled:  # one rank, or a worker rank building its shard
@@ -313,7 +313,7 @@ def tp_all_reduce(ctx: StageContext) -> str:
 def build_tp_rank(path: str, config: dict, pipeline: PipelineConfig, name: str,
                   dtype: torch.dtype, options: dict[str, Any], placement: StagePlacement,
                   device: torch.device):
-    """A worker rank's build (engine/ar/tp.py calls it inside the rank's group): the stage as
-    rank 0 builds it, on this rank's device; returns its ModelRunner."""
+    """A worker rank's build (engine/ar/tp_workers.py calls it inside the rank's group): the
+    stage as rank 0 builds it, on this rank's device; returns its ModelRunner."""
     worker = build_stage_worker(path, config, pipeline, name, device, dtype, options, placement)
     return worker.engine.runner

@@ -332,7 +332,7 @@ class Orchestrator:
 
     def _close_local(self) -> None:
         """Shutdown, in the thread that steps the stages: each stage of this process frees
-        what outlives its requests (an AR stage's tensor-parallel ranks: engine/ar/tp.py).
+        what outlives its requests (an AR stage's tensor-parallel ranks: engine/ar/tp_workers.py).
         Stage workers without a close() hold nothing of the kind."""
         for unit, host in self.local.items():
             close = getattr(host.worker, "close", None)

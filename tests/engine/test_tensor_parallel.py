@@ -9,7 +9,8 @@ choose other experts than TP=1 only where TP=1's k-th and (k+1)-th router logits
 1e-4. Each rank's parameters are asserted to be its 1/TP share (KV projections: 1/min(TP, KV
 heads), the KV heads being replicated beyond that) and its KV cache likewise.
 
-The worker processes stay in a pool between tests (engine/ar/tp.py), so the module spawns 3."""
+The worker processes stay in a pool between tests (engine/ar/tp_workers.py), so the module
+spawns 3."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from omnistage.checkpoint import load_config
 from omnistage.config.schema import load_pipeline
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.engine.ar.tp import check_devices, rank_report
+from omnistage.engine.ar.tp_workers import check_devices, rank_report
 from omnistage.layers.moe import SparseMoE
 from omnistage.layers.parallel import TensorParallel, head_layout, split, tensor_parallel
 from omnistage.runtime.build import StagePlacement, build_stage_worker
@@ -266,7 +267,7 @@ def test_shutdown_stops_ranks_in_order(tiny_qwen2, tmp_path, background, devices
     import asyncio
 
     from omnistage import AsyncOmniLLM, OmniLLM
-    from omnistage.engine.ar import tp as tp_mod
+    from omnistage.engine.ar import tp_workers as tp_mod
     prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}, {"prompt_token_ids": [9, 8, 7]}]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

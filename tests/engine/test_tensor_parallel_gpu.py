@@ -103,13 +103,13 @@ def _symm_rank(rank: int, port: int) -> None:
         tp.group.allreduce([want]).wait()
         torch.testing.assert_close(out, want, atol=0, rtol=0)
     torch.cuda.synchronize()
-    tp.group.abort()  # (as shutdown_group does for NCCL: see omnistage/engine/ar/tp.py)
+    tp.group.abort()  # (as shutdown_group does for NCCL: see omnistage/engine/ar/tp_workers.py)
 
 
 def test_symm_mem_all_reduce_equals_nccl():
     import torch.multiprocessing as tmp
 
-    from omnistage.engine.ar.tp import _free_port
+    from omnistage.engine.ar.tp_workers import _free_port
     reason = unavailable_reason([torch.device(d) for d in GPUS])
     if reason is not None:
         pytest.skip(reason)

@@ -94,7 +94,7 @@ def test_group_shutdown_is_bounded():
     backend's own reaches the caller."""
     import time
 
-    from omnistage.engine.ar.tp import shutdown_group_bounded
+    from omnistage.engine.ar.tp_workers import shutdown_group_bounded
     from omnistage.layers.parallel import TensorParallel
 
     class Backend:
@@ -124,7 +124,7 @@ def test_rank0_releases_its_graphs_before_its_group_shuts(tiny_qwen2, monkeypatc
     """ModelRunner.close on rank 0: its captured graphs are destroyed before its side of the
     group shuts (NCCL's teardown waits for graphs holding its collectives), once."""
     from omnistage.engine.ar import model_runner as runner_mod
-    from omnistage.engine.ar import tp as tp_mod
+    from omnistage.engine.ar import tp_workers as tp_mod
     calls: list[str] = []
     release = runner_mod.ModelRunner.release_graphs
     shutdown = tp_mod.shutdown_group_bounded

@@ -68,7 +68,7 @@ class ModelRunner:
         # step to the other ranks before its forward
         self.tp = getattr(model, "tp", SINGLE)
         self.channel = StepChannel(self.tp, device) if self.tp.enabled else None
-        self.tp_workers = None  # rank 0: tp.TPWorkers (set by the stage's builder)
+        self.tp_workers = None  # rank 0: tp_workers.TPWorkers (set by the stage's builder)
         _check_tensor_parallel(model, config, self.tp)
         vocab = getattr(model, "vocab_size", None)
         if isinstance(vocab, int):  # before the KV cache takes the free memory
@@ -106,7 +106,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Tensor parallel rank 0: the other ranks stop, the group is shut, the ranks go back
-        to their pool idle (tp.TPWorkers.close). Idempotent."""
+        to their pool idle (tp_workers.TPWorkers.close). Idempotent."""
         if self.tp_workers is not None:
             self.release_graphs()
             self.tp_workers.close()
