@@ -59,8 +59,8 @@ class TensorParallel:
     def release(self) -> None:
         """Drop the (shut) group, its store and the one-shot all-reduce. Python holds the only
         references to them, so their C++ destructors run now: NCCL's watchdog and heartbeat
-        threads and the store server's thread are joined while CUDA is alive, not left running
-        into the interpreter's finalisation (where they crashed the process at exit)."""
+        threads and the store server's thread end with the stage, not in the interpreter's
+        finalisation, however long the closed runner lives."""
         self.group = self.store = self.symm = None
 
     def _group(self):

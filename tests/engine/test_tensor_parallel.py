@@ -307,8 +307,8 @@ def test_shutdown_stops_ranks_in_order(tiny_qwen2, tmp_path, background, devices
         assert handle.closed and rank_pid in tp_mod.idle_workers()
         with pytest.raises(RuntimeError, match="group is shut"):  # rank 0's side is shut
             handle.tp.all_reduce(torch.ones(1))
-        # and destroyed, with its threads, while the engine's process goes on (NCCL's
-        # watchdog left to the interpreter's finalisation crashed the process at exit)
+        # and destroyed, with its threads, while the engine's process goes on (not left to
+        # the interpreter's finalisation)
         gc.collect()
         assert group() is None and store() is None
         llm.shutdown()  # again: nothing left to stop
