@@ -285,10 +285,7 @@ class TPWorkers:
         """After a failed start or close: end the worker processes (they may wait in a
         collective), and rank 0's side of the group."""
         self.closed = True
-        for w in self.workers:
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(5)
+        _end(self.workers)
         try:
             shutdown_group_bounded(self.tp, abort=True)
         except RuntimeError as e:  # the workers are ended already; rank 0's side is moot
@@ -383,7 +380,8 @@ def _wait_joining(workers: list[_Worker], timeout_s: float) -> None:
 
 
 def _end(workers: list[_Worker]) -> None:
-    """Terminate worker ranks that will not join (they never enter the pool again)."""
+    """Terminate worker ranks that will not go back to the pool (they may wait in a
+    collective, or never joined), and reap them."""
     for w in workers:
         if w.proc.is_alive():
             w.proc.terminate()
