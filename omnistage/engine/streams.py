@@ -5,11 +5,41 @@ from __future__ import annotations
 
 import gc
 import warnings
-import weakref
 
 import torch
 
 _HELD_STREAMS: dict[int, set[int]] = {}  # device index -> raw CUDA streams handed out
+
+
+class _GivesBackRaw:
+    """Mixed into torch.cuda.Stream (_private_class): the object gives its raw stream back to
+    private_stream() when freed.
+
+    NOTE (why __del__, not weakref.finalize): torch.Stream's C type keeps a weakref list, but
+    torch.cuda.Stream's deallocator (THCPStream_dealloc, torch 2.11) frees the object without
+    clearing it. A weakref to a CUDA stream is then left pointing at freed memory: its callback
+    never runs, and touching it later crashes. Seen as the SIGSEGV at exit of multi-GPU and
+    tensor-parallel processes (weakref.finalize's at-exit pass, then the final garbage
+    collection, cleared such a weakref: benchmarks/results/tp_exit_h200x2_session21_issue27_
+    2026-11-28.txt). So nothing here takes a weakref to a stream."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        if getattr(self, "holds_raw", False):  # (its raw stream is held on its behalf)
+            _HELD_STREAMS[self.device.index].discard(self.cuda_stream)
+
+
+_PRIVATE_CLASSES: dict[type, type] = {}  # torch.cuda.Stream -> its _GivesBackRaw subclass
+
+
+def _private_class() -> type:
+    base = torch.cuda.Stream
+    cls = _PRIVATE_CLASSES.get(base)
+    if cls is None:
+        cls = _PRIVATE_CLASSES[base] = type("PrivateStream", (_GivesBackRaw, base),
+                                            {"__slots__": ("holds_raw",)})
+    return cls
 
 
 def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
@@ -29,11 +59,11 @@ def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream
     held = _HELD_STREAMS.setdefault(index, set())
     for attempt in range(2):
         for _ in range(64):  # two passes over a pool of 32
-            stream = torch.cuda.Stream(index, priority=priority)
-            if stream.cuda_stream not in held:
+            # (free for another holder once this one is gone: its graphs went with it)
+            stream = _private_class()(index, priority=priority)
+            stream.holds_raw = stream.cuda_stream not in held
+            if stream.holds_raw:
                 held.add(stream.cuda_stream)
-                # free for another holder once this one is gone (its graphs went with it)
-                weakref.finalize(stream, held.discard, stream.cuda_stream)
                 return stream
         if attempt == 0:  # holders that only a cycle keeps alive (engines of finished tests)
             gc.collect()

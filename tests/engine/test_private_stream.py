@@ -2,6 +2,7 @@
 (a fake pool stands in for CUDA here)."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -14,13 +15,20 @@ class FakePool:
 
     def __init__(self, size: int) -> None:
         self.size, self.next = size, {0: 0, -1: 0}
+        pool = self
 
-    def stream(self, device=None, priority: int = 0):
-        n = self.next[priority]
-        self.next[priority] = (n + 1) % self.size
-        s = type("FakeStream", (), {})()  # a fresh Python object per call, as torch's
-        s.cuda_stream = (priority, n)
-        return s
+        class FakeStream:
+            """A fresh Python object per call, as torch's. No __weakref__ slot: a weakref to a
+            real CUDA stream dangles once it is freed (streams.py's NOTE), so private_stream
+            must take none; here taking one raises TypeError."""
+
+            __slots__ = ("cuda_stream", "device")
+
+            def __init__(self, device=None, priority: int = 0) -> None:
+                n = pool.next[priority]
+                pool.next[priority] = (n + 1) % pool.size
+                self.cuda_stream, self.device = (priority, n), torch.device("cuda", 0)
+        self.stream = FakeStream
 
 
 @pytest.fixture
@@ -40,8 +48,10 @@ def test_distinct_while_held(pool):
     assert len({s.cuda_stream for s in held}) == 4  # the whole pool, no stream twice
     high = streams.private_stream(dev, priority=-1)
     assert high.cuda_stream[0] == -1  # priorities have pools of their own
+    with pytest.raises(TypeError):  # (see FakeStream)
+        weakref.ref(held[0])
     freed = held.pop(1).cuda_stream
-    gc.collect()
+    assert freed not in streams._HELD_STREAMS[0]  # given back when freed, no collection needed
     again = streams.private_stream(dev)
     assert again.cuda_stream == freed  # a holder's stream is free once it is gone
 
@@ -52,3 +62,24 @@ def test_exhausted_pool_warns_and_shares(pool):
     with pytest.warns(UserWarning, match="shares a stream"):
         extra = streams.private_stream(dev)
     assert extra.cuda_stream in {s.cuda_stream for s in held}
+    shared = extra.cuda_stream
+    del extra  # a stream that shares a holder's raw stream does not give it back
+    gc.collect()
+    assert shared in streams._HELD_STREAMS[0]
+    held.clear()
+    assert not streams._HELD_STREAMS[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stream_given_back_when_freed():
+    # a real CUDA stream: given back by its __del__ (a weakref to it would dangle instead)
+    stream = streams.private_stream(torch.device("cuda", 0))
+    raw = stream.cuda_stream
+    assert isinstance(stream, torch.cuda.Stream) and raw in streams._HELD_STREAMS[0]
+    with torch.cuda.stream(stream):
+        x = torch.ones(4, device="cuda") * 2
+    stream.synchronize()
+    assert x.sum().item() == 8
+    del stream
+    assert raw not in streams._HELD_STREAMS[0]

@@ -11,8 +11,12 @@ the forward graph of the smallest bucket >= its token count T:
   - the model's output rows are copied into a static buffer outside the graph pool (shared with
     the decode graphs, which never replay at the same time);
   - the logits of the last row and the sampler then run eagerly, as after an eager forward.
-Graphs are keyed (bucket, has replacement rows, has additive rows) and captured at first use
-(warmup() captures the token-only ones). EngineConfig.prefill_graphs=False turns them off.
+Graphs are keyed (bucket, has replacement rows, has additive rows). warmup() captures the
+token-only ones of every bucket; the first prefill with replacement or additive rows (a talker's:
+the server's warm-up request brings one) captures that variant's every bucket, on padding rows.
+A bucket first used later would stall its step for the capture: a prefix-cache hit or another
+prompt length moves a prefill to another bucket, and a first request after warm-up waited for
+one such capture on the way to its first audio. EngineConfig.prefill_graphs=False turns them off.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
-from omnistage.engine.ar.cuda_graphs import DecodeGraphs, smallest_bucket
+from omnistage.engine.ar.cuda_graphs import DecodeGraphs, _EagerGraph, smallest_bucket
 from omnistage.engine.ar.interface import ForwardBatch
 
 BUCKETS = (16, 32, 64, 128, 256)  # padded token counts; larger prefills stay eager
@@ -136,21 +140,29 @@ class PrefillGraphs:
             raise ValueError(f"num_tokens: {n}; prefill graphs take 2..{self.max_tokens}")
         self._ensure_row_buffers(embeds_row, add_row)
         has_e, has_a = embeds_row is not None, add_row is not None
-        self._fill(seq, start, n, T, positions)
         key = (T, has_e, has_a)
-        graph = self.graphs.get(key)
-        if graph is None:
-            self._stage_rows(embeds_row, add_row, n, T)  # warm-up rows: the real ones
-            graph = self.graphs[key] = self.decode.capture_graph(
-                lambda warm: self._forward(T, has_e, has_a, warm))
+        if key not in self.graphs:  # (before _fill: the captures' runs use padding inputs)
+            self._capture_variant(has_e, has_a)
+        self._fill(seq, start, n, T, positions)
         self._stage_rows(embeds_row, add_row, n, T)
-        graph.replay()
+        self.graphs[key].replay()
         self.num_runs += 1
         return self.hidden[:n]
 
     def warmup(self) -> None:
         """Capture the token-only graph of every bucket now (a first use would stall a step)."""
+        if self.decode.capture:
+            self._capture_variant(False, False)
+
+    def _capture_variant(self, has_e: bool, has_a: bool) -> None:
+        """Every bucket's graph of this variant not captured yet, captured now on padding rows
+        (eager mode: registered stand-ins, nothing runs). The row buffers a variant reads
+        exist (_ensure_row_buffers) before it is captured."""
+        todo = [T for T in self.buckets if (T, has_e, has_a) not in self.graphs]
         if not self.decode.capture:
+            for T in todo:
+                self.graphs[(T, has_e, has_a)] = _EagerGraph(
+                    lambda warm, T=T: self._forward(T, has_e, has_a, warm), None)
             return
         longs, ints = self.longs_host, self.ints_host
         if self.copied is not None:
@@ -161,7 +173,10 @@ class PrefillGraphs:
         ints[0], ints[1], ints[2] = 0, 1, 1
         self.longs.copy_(longs)
         self.ints.copy_(ints)
-        for T in self.buckets:
-            if (T, False, False) not in self.graphs:
-                self.graphs[(T, False, False)] = self.decode.capture_graph(
-                    lambda warm, T=T: self._forward(T, False, False, warm))
+        if has_e:  # no row replaced, nothing added: the padding rows' plain embeddings
+            self.embeds_mask.zero_()
+        if has_a:
+            self.additive.zero_()
+        for T in todo:
+            self.graphs[(T, has_e, has_a)] = self.decode.capture_graph(
+                lambda warm, T=T: self._forward(T, has_e, has_a, warm))
