@@ -160,11 +160,11 @@ def _worker_main(conn) -> None:
 
 
 def _worker_process(conn) -> None:
-    """The worker process's body: its job loop, then an immediate exit. A process that ran an
-    NCCL group segfaults in the interpreter's at-exit finalisation (torch 2.11 on 2xH200, with
-    or without CUDA graphs or the one-shot all-reduce; docs/distributed.md), which turned the
-    exit code of an idle rank that left cleanly into -11. The loop has released everything it
-    holds by then; only the output streams need flushing."""
+    """The worker process's body: its job loop, then an immediate exit: the loop has released
+    everything it holds by then, and only the output streams need flushing. (Added while
+    dangling weakrefs to freed CUDA streams crashed the interpreter's at-exit finalisation and
+    turned an idle rank's clean exit into -11; engine/streams.py takes none since, and
+    docs/distributed.md tells the story.)"""
     _worker_main(conn)
     logging.shutdown()
     sys.stdout.flush()
