@@ -26,8 +26,10 @@ class _GivesBackRaw:
     __slots__ = ()
 
     def __del__(self) -> None:
-        if getattr(self, "holds_raw", False):  # (its raw stream is held on its behalf)
-            _HELD_STREAMS[self.device.index].discard(self.cuda_stream)
+        # (the set itself, not a module global: __del__ may run late in the interpreter's exit)
+        held = getattr(self, "held_in", None)  # the set its raw stream is held in, if any
+        if held is not None:
+            held.discard(self.cuda_stream)
 
 
 _PRIVATE_CLASSES: dict[type, type] = {}  # torch.cuda.Stream -> its _GivesBackRaw subclass
@@ -38,7 +40,7 @@ def _private_class() -> type:
     cls = _PRIVATE_CLASSES.get(base)
     if cls is None:
         cls = _PRIVATE_CLASSES[base] = type("PrivateStream", (_GivesBackRaw, base),
-                                            {"__slots__": ("holds_raw",)})
+                                            {"__slots__": ("held_in",)})
     return cls
 
 
@@ -61,8 +63,8 @@ def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream
         for _ in range(64):  # two passes over a pool of 32
             # (free for another holder once this one is gone: its graphs went with it)
             stream = _private_class()(index, priority=priority)
-            stream.holds_raw = stream.cuda_stream not in held
-            if stream.holds_raw:
+            stream.held_in = None if stream.cuda_stream in held else held
+            if stream.held_in is not None:
                 held.add(stream.cuda_stream)
                 return stream
         if attempt == 0:  # holders that only a cycle keeps alive (engines of finished tests)

@@ -16,7 +16,10 @@ token-only ones of every bucket; the first prefill with replacement or additive 
 the server's warm-up request brings one) captures that variant's every bucket, on padding rows.
 A bucket first used later would stall its step for the capture: a prefix-cache hit or another
 prompt length moves a prefill to another bucket, and a first request after warm-up waited for
-one such capture on the way to its first audio. EngineConfig.prefill_graphs=False turns them off.
+one such capture on the way to its first audio. The stall is paid once per variant instead: the
+warm-up request pays the talker's; the thinker's first prompt with media rows (replacement rows)
+pays for its variant's buckets (about 5 captures) if the warm-up brought none.
+EngineConfig.prefill_graphs=False turns them off.
 """
 
 from __future__ import annotations
