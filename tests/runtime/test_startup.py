@@ -95,3 +95,39 @@ def test_a_stage_that_cannot_be_built_is_named(tiny_omni_dir, monkeypatch):
     monkeypatch.setattr(build, "build_stage_worker", build_or_refuse)
     with pytest.raises(ValueError, match=r"^stage talker: num_kv_blocks: memory for 3 blocks"):
         OmniLLM(str(tiny_omni_dir), device="cpu")
+
+
+def _graph_keys(llm) -> dict[str, tuple[set, set]]:
+    """Each AR stage's (decode graph keys, prefill graph keys) registered so far."""
+    keys = {}
+    for name, engine in llm.pipeline.engines.items():
+        runner = engine.runner
+        keys[name] = (set(runner.graphs.graphs),
+                      set(runner.prefill_graphs.graphs) if runner.prefill_graphs else set())
+    return keys
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_omni_dir", "tiny_qwen3_omni_dir"])
+def test_warmup_leaves_no_graph_for_the_first_requests(ckpt, request):
+    # On CUDA every graph key registered after the warm-up is a capture on a user's request,
+    # stalling it (a talker prefill capture added 50-90 ms to the first requests' TTFA on the
+    # H200). cuda_graphs="eager" runs the same bookkeeping on the CPU: after warmup(), requests
+    # of other prompt lengths and a prefix-cache hit (the same prompt again) register no key.
+    from omnistage import SamplingParams
+    llm = OmniLLM(str(request.getfixturevalue(ckpt)), cuda_graphs="eager")
+    try:
+        llm.warmup()
+        after_warmup = _graph_keys(llm)
+        assert after_warmup["talker"][1], "the warm-up request prefilled no talker graph"
+        params = {name: SamplingParams(**{**p.__dict__, "max_tokens": 6, "min_tokens": 6,
+                                          "ignore_eos": True})
+                  for name, p in llm.pipeline.default_params.items()}
+        prompts = ["Tell me a short story about a lighthouse keeper and a storm.", "Hi.",
+                   "Tell me a short story about a lighthouse keeper and a storm."]
+        for text in prompts:
+            out = llm.generate([{"messages": [{"role": "user", "content": text}]}], params,
+                               use_tqdm=False)[0]
+            assert out.error is None and out.metrics.tokens_per_stage["talker"] == 6
+            assert _graph_keys(llm) == after_warmup, text
+    finally:
+        llm.shutdown()
