@@ -363,8 +363,9 @@ class OpenAIServingChat:
             mark_outcome(c.stream.scope, "error")
             events += [sse(err.body()), sse("[DONE]")]
             return _FAILED
-        for delta, logprobs in c.deltas(out):
-            events.append(sse(ctx.chunk(c.index, delta, include_usage, logprobs=logprobs)))
+        for delta, logprobs, audio in c.deltas(out):
+            events.append(sse(ctx.chunk(c.index, delta, include_usage, logprobs=logprobs),
+                              audio))
         if not out.finished:
             return _MORE
         self._finished(out, ctx)
@@ -452,11 +453,13 @@ class _Choice:
         self.pending_logprobs: list[dict[int, float]] = []  # streamed with the next text delta
         self.tools = tools_api.ToolCallStream() if tools_api.parses_calls(ctx.body) else None
 
-    def deltas(self, out: OmniRequestOutput) -> list[tuple[dict[str, Any], dict | None]]:
-        """(delta, its logprobs): the text (or transcript) delta, then the audio chunk as base64
-        pcm16. Tokens whose text is held back keep their logprobs for the next text delta;
-        with tools, the text goes through the tool-call parser."""
-        deltas: list[tuple[dict[str, Any], dict | None]] = []
+    def deltas(self, out: OmniRequestOutput
+               ) -> list[tuple[dict[str, Any], dict | None, str | None]]:
+        """(delta, its logprobs, its base64 audio): the text (or transcript) delta, then the
+        audio chunk, base64 pcm16 for sse() to splice into the delta's empty "data". Tokens
+        whose text is held back keep their logprobs for the next text delta; with tools, the
+        text goes through the tool-call parser."""
+        deltas: list[tuple[dict[str, Any], dict | None, str | None]] = []
         ctx = self.ctx
         self.pending_logprobs += out.logprobs_delta or []
         if out.text_delta:
@@ -464,16 +467,16 @@ class _Choice:
             self.pending_logprobs = []
             if self.tools is not None:
                 parsed = self.tools.feed(out.text_delta)
-                deltas += [(d, lps if k == 0 else None) for k, d in enumerate(parsed)]
+                deltas += [(d, lps if k == 0 else None, None) for k, d in enumerate(parsed)]
             else:
                 deltas.append(({"audio": {"id": self.audio_id, "transcript": out.text_delta}}
-                               if ctx.fmt else {"content": out.text_delta}, lps))
+                               if ctx.fmt else {"content": out.text_delta}, lps, None))
         timeline = self.stream.timeline
         if deltas and timeline is not None:
             timeline.mark_text()
         if ctx.fmt and out.audio is not None and len(out.audio):
             data = base64.b64encode(to_pcm16(out.audio).tobytes()).decode()
-            deltas.append(({"audio": {"id": self.audio_id, "data": data}}, None))
+            deltas.append(({"audio": {"id": self.audio_id, "data": ""}}, None, data))
             if timeline is not None:
                 timeline.mark_audio()
         return deltas
