@@ -23,9 +23,10 @@ from omnistage.entrypoints.openai.serving import sse, to_pcm16
 SAMPLE_RATE = 24_000  # Qwen2.5-Omni's code2wav
 
 
-def chunk(data: str) -> dict:
+def chunk(data: str, model: str = "bench") -> dict:
+    """A streamed chat chunk carrying one audio delta, as the server writes it."""
     return {"id": "chatcmpl-" + "0" * 32, "object": "chat.completion.chunk", "created": 0,
-            "model": "bench", "system_fingerprint": None,
+            "model": model, "system_fingerprint": None,
             "choices": [{"index": 0, "delta": {"audio": {"id": "audio_" + "0" * 32,
                                                          "data": data}},
                          "logprobs": None, "finish_reason": None}]}

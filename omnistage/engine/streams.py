@@ -3,6 +3,7 @@ with another holder in the process) and green-context ones (kernels on a share o
 
 from __future__ import annotations
 
+import functools
 import gc
 import warnings
 
@@ -32,16 +33,9 @@ class _GivesBackRaw:
             held.discard(self.cuda_stream)
 
 
-_PRIVATE_CLASSES: dict[type, type] = {}  # torch.cuda.Stream -> its _GivesBackRaw subclass
-
-
-def _private_class() -> type:
-    base = torch.cuda.Stream
-    cls = _PRIVATE_CLASSES.get(base)
-    if cls is None:
-        cls = _PRIVATE_CLASSES[base] = type("PrivateStream", (_GivesBackRaw, base),
-                                            {"__slots__": ("held_in",)})
-    return cls
+@functools.cache  # (one subclass per stream class: torch.cuda.Stream, a test's stand-in)
+def _private_class(base: type) -> type:
+    return type("PrivateStream", (_GivesBackRaw, base), {"__slots__": ("held_in",)})
 
 
 def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
@@ -62,7 +56,7 @@ def private_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream
     for attempt in range(2):
         for _ in range(64):  # two passes over a pool of 32
             # (free for another holder once this one is gone: its graphs went with it)
-            stream = _private_class()(index, priority=priority)
+            stream = _private_class(torch.cuda.Stream)(index, priority=priority)
             stream.held_in = None if stream.cuda_stream in held else held
             if stream.held_in is not None:
                 held.add(stream.cuda_stream)

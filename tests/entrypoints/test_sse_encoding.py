@@ -9,22 +9,16 @@ import json
 import numpy as np
 import pytest
 
+from benchmarks.sse_encode import chunk
 from omnistage.entrypoints.openai.serving import sse, to_pcm16
-
-
-def _chunk(model: str, data: str) -> dict:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": {"audio": {"id": "audio_1", "data": data}},
-                         "logprobs": None, "finish_reason": None}], "usage": None}
 
 
 @pytest.mark.parametrize("model", ["bench", 'x"data":""', '"data":"', "d\u00e4t\u00e4 \\ \n"])
 def test_spliced_audio_equals_json(model):
     wave = np.sin(np.linspace(0, 40, 4800, dtype=np.float32)) * 0.5
     data = base64.b64encode(to_pcm16(wave).tobytes()).decode()
-    spliced = sse(_chunk(model, ""), data)
-    assert spliced == sse(_chunk(model, data))
+    spliced = sse(chunk("", model), data)
+    assert spliced == sse(chunk(data, model))
     body = json.loads(spliced.removeprefix("data: "))
     assert body["model"] == model
     assert base64.b64decode(body["choices"][0]["delta"]["audio"]["data"]) == \
