@@ -148,6 +148,9 @@ class Qwen2_5OmniCode2WavDecoder:
         self.lazy = False
         self.later: deque[GraphKey] = deque()
         self.later_captured, self.later_seconds = 0, 0.0
+        # queued graphs a step needed and ran without (a larger bucket or eagerly) -> how many
+        # times: capture_next() takes the most needed first; wants_capture() asks for it now
+        self.wanted: dict[GraphKey, int] = {}
 
     # the graph services' state, by the names the decoder has always shown
     use_graphs = property(lambda self: self.graphs.enabled)
@@ -289,6 +292,7 @@ class Qwen2_5OmniCode2WavDecoder:
         """The vocoder graph key of a (bucket, length) batch (as dit_target); None: eagerly."""
         if not self.lazy or (bucket, length) in self.voc_graphs:
             return bucket, length
+        self._want(("vocoder", bucket, length))
         return next(((b, length) for b in self.buckets
                      if b >= bucket and (b, length) in self.voc_graphs), None)
 
@@ -479,7 +483,12 @@ class Qwen2_5OmniCode2WavDecoder:
         # the graph that runs this DiT batch, None: eagerly (no graphs, too wide, lazy)
         if not self.use_graphs or width > self.max_graph_frames:
             return None
+        if self.lazy and self._key(bucket, width, beside) not in self.dit_graphs:
+            self._want(("dit", *self._key(bucket, width, beside)))
         return self.dit_target(bucket, width, beside)
+
+    def _want(self, key: GraphKey) -> None:
+        self.wanted[key] = self.wanted.get(key, 0) + 1
 
     def _key(self, bucket: int, width: int, beside: bool) -> tuple[int, int, bool]:
         # below BESIDE_MIN_BUCKET the DiT's small kernels leave SMs idle anyway: every SM
@@ -512,6 +521,15 @@ class Qwen2_5OmniCode2WavDecoder:
             for key in now:
                 self._capture(key)
         self.later = deque(k for k in later if not self.captured(k))
+        self.wanted.clear()
+
+    def _normal(self, key: GraphKey) -> GraphKey:
+        # a queued key as wanted() records it (the DiT's `beside` as _key routes it)
+        return ("dit", *self._key(*key[1:])) if key[0] == "dit" else key
+
+    def wants_capture(self) -> bool:
+        """Whether steps ran without a queued graph since it was queued."""
+        return any(self._normal(k) in self.wanted for k in self.later)
 
     def captured(self, key: GraphKey) -> bool:
         if key[0] == "dit":
@@ -530,14 +548,18 @@ class Qwen2_5OmniCode2WavDecoder:
 
     @torch.inference_mode()
     def capture_next(self) -> GraphKey | None:
-        """Capture the next queued graph (None: none left): one graph, seconds at most with its
-        compile. Call it on the thread that runs this decoder's steps, between steps (no job
-        in progress): a capture must not interleave with the steps' graphs on this decoder."""
-        while self.later and self.captured(self.later[0]):
-            self.later.popleft()
+        """Capture a queued graph (None: none left): the one steps needed most (wanted), else
+        the next in order; one graph, seconds at most with its compile. Call it on the thread
+        that runs this decoder's steps, between steps (no job in progress): a capture must not
+        interleave with the steps' graphs on this decoder."""
+        self.later = deque(k for k in self.later if not self.captured(k))
         if not self.later or self._live:
             return None
-        key = self.later.popleft()  # (taken first: a capture that raised is not retried)
+        wanted = [k for k in self.later if self._normal(k) in self.wanted]
+        key = (max(wanted, key=lambda k: self.wanted[self._normal(k)]) if wanted
+               else self.later[0])
+        self.later.remove(key)  # (taken first: a capture that raised is not retried)
+        self.wanted.pop(self._normal(key), None)
         t0 = time.perf_counter()
         with self._on_device():
             self._capture(key)
