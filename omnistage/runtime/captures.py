@@ -28,7 +28,7 @@ from omnistage.runtime.stage import StageHost, on_device
 
 log = logging.getLogger(__name__)
 
-SHARE = 0.5  # the most of the time under load that captures may take
+SHARE = 0.25  # the most of the time under load that captures may take
 MIN_GAP_S = 0.1  # between two captures under load, however short
 
 

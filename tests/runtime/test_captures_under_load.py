@@ -106,11 +106,13 @@ def test_decoder_marks_wanted_graphs_and_captures_them_first(decoder, monkeypatc
         assert not dec.wants_capture()
         assert dec._graphed(1, 648, False) == (1, 648, False)  # captured: nothing wanted
         assert not dec.wants_capture()
-        assert dec._graphed(4, 648, False) is None  # bucket 4 queued: eagerly, and wanted
-        dec._graphed(4, 648, False)
+        # bucket 4's full window (4 x 648 frames) runs eagerly about as fast: not asked for
+        assert dec._graphed(4, 648, False) is None and not dec.wants_capture()
+        assert dec._graphed(4, 48, False) is None  # its first chunk: launch-bound, wanted
+        dec._graphed(4, 48, False)
         assert dec.voc_target(2, now[-1][2]) is None  # the vocoder's bucket 2 too, once
-        assert dec.wants_capture() and dec.wanted[("dit", 4, 648, False)] == 2
-        assert dec.capture_next() == ("dit", 4, 648, False)  # the most wanted first
+        assert dec.wants_capture() and dec.wanted[("dit", 4, 48, False)] == 2
+        assert dec.capture_next() == ("dit", 4, 48, False)  # the most wanted first
         assert dec.capture_next() == ("vocoder", 2, now[-1][2])
         assert not dec.wants_capture() and dec.capture_next() == later[0]  # then in order
     finally:

@@ -34,7 +34,7 @@ from omnistage.engine.gen.graphs import BUCKETS, GraphCache, SegmentGraph, bucke
 from .code2wav_fast import DiTState, Qwen2_5OmniFastDiT
 from .code2wav_options import DIT_DTYPES, VOCODER_DTYPES
 from .code2wav_plan import (BESIDE_MIN_BUCKET, MAX_GRAPH_FRAMES, GraphKey, capture_plan,
-                            vocoder_lengths, window_widths)
+                            launch_bound, vocoder_lengths, window_widths)
 from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               Qwen2_5OmniCode2WavChunk, Qwen2_5OmniCode2WavSpan,
                               Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig,
@@ -150,6 +150,7 @@ class Qwen2_5OmniCode2WavDecoder:
         self.later_captured, self.later_seconds = 0, 0.0
         # queued graphs a step needed and ran without (a larger bucket or eagerly) -> how many
         # times: capture_next() takes the most needed first; wants_capture() asks for it now
+        # (launch-bound shapes only: code2wav_plan.launch_bound)
         self.wanted: dict[GraphKey, int] = {}
 
     # the graph services' state, by the names the decoder has always shown
@@ -292,7 +293,8 @@ class Qwen2_5OmniCode2WavDecoder:
         """The vocoder graph key of a (bucket, length) batch (as dit_target); None: eagerly."""
         if not self.lazy or (bucket, length) in self.voc_graphs:
             return bucket, length
-        self._want(("vocoder", bucket, length))
+        if launch_bound(bucket, length):
+            self._want(("vocoder", bucket, length))
         return next(((b, length) for b in self.buckets
                      if b >= bucket and (b, length) in self.voc_graphs), None)
 
@@ -483,7 +485,8 @@ class Qwen2_5OmniCode2WavDecoder:
         # the graph that runs this DiT batch, None: eagerly (no graphs, too wide, lazy)
         if not self.use_graphs or width > self.max_graph_frames:
             return None
-        if self.lazy and self._key(bucket, width, beside) not in self.dit_graphs:
+        if (self.lazy and self._key(bucket, width, beside) not in self.dit_graphs
+                and launch_bound(bucket, width)):
             self._want(("dit", *self._key(bucket, width, beside)))
         return self.dit_target(bucket, width, beside)
 
