@@ -115,6 +115,16 @@ def test_decoder_marks_wanted_graphs_and_captures_them_first(decoder, monkeypatc
         assert dec.capture_next() == ("dit", 4, 48, False)  # the most wanted first
         assert dec.capture_next() == ("vocoder", 2, now[-1][2])
         assert not dec.wants_capture() and dec.capture_next() == later[0]  # then in order
+        # with SMs left free, a wide step that wanted its `beside` graph ran on every SM
+        # (slowing the AR stages): wanted whatever its size, and taken first
+        monkeypatch.setattr(dec.graphs, "free_sms", 32)
+        beside = ("dit", 8, 648, True)
+        dec.later.append(beside)
+        for _ in range(3):
+            dec._graphed(2, 216, False)
+        assert dec._graphed(8, 648, True) is None
+        assert dec.wanted[beside] == 1 < dec.wanted[("dit", 2, 216, False)]
+        assert dec.capture_next() == beside
     finally:
         dec.lazy, dec.dit_graphs, dec.voc_graphs = False, {}, {}
         dec.later.clear()

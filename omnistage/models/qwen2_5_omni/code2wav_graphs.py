@@ -150,7 +150,7 @@ class Qwen2_5OmniCode2WavDecoder:
         self.later_captured, self.later_seconds = 0, 0.0
         # queued graphs a step needed and ran without (a larger bucket or eagerly) -> how many
         # times: capture_next() takes the most needed first; wants_capture() asks for it now
-        # (launch-bound shapes only: code2wav_plan.launch_bound)
+        # (beside graphs, and other shapes only where launch-bound: code2wav_plan.launch_bound)
         self.wanted: dict[GraphKey, int] = {}
 
     # the graph services' state, by the names the decoder has always shown
@@ -485,9 +485,9 @@ class Qwen2_5OmniCode2WavDecoder:
         # the graph that runs this DiT batch, None: eagerly (no graphs, too wide, lazy)
         if not self.use_graphs or width > self.max_graph_frames:
             return None
-        if (self.lazy and self._key(bucket, width, beside) not in self.dit_graphs
-                and launch_bound(bucket, width)):
-            self._want(("dit", *self._key(bucket, width, beside)))
+        key = self._key(bucket, width, beside)
+        if self.lazy and key not in self.dit_graphs and (key[2] or launch_bound(bucket, width)):
+            self._want(("dit", *key))
         return self.dit_target(bucket, width, beside)
 
     def _want(self, key: GraphKey) -> None:
@@ -559,7 +559,10 @@ class Qwen2_5OmniCode2WavDecoder:
         if not self.later or self._live:
             return None
         wanted = [k for k in self.later if self._normal(k) in self.wanted]
-        key = (max(wanted, key=lambda k: self.wanted[self._normal(k)]) if wanted
+        # beside graphs first (without one a wide step takes every SM from the AR stages),
+        # then the most wanted
+        key = (max(wanted, key=lambda k: (k[0] == "dit" and self._normal(k)[3],
+                                          self.wanted[self._normal(k)])) if wanted
                else self.later[0])
         self.later.remove(key)  # (taken first: a capture that raised is not retried)
         self.wanted.pop(self._normal(key), None)

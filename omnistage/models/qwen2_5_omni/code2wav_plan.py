@@ -81,12 +81,13 @@ def capture_plan(config: Qwen2_5OmniCode2WavStreamConfig, block: int, buckets: t
     return [k for k in order if k in now], [k for k in order if k not in now]
 
 
-# A queued graph is asked for under load (runtime/captures.py) only where its step is small
-# enough that kernel launches, not the math, set its time: at 32 streams a first chunk's step
-# (32 x 48 frames) ran 0.75 s eagerly against 0.14 s graphed, while a later chunk's parts
-# (32 x 648 frames) took the same time either way (H200, benchmarks/results/
-# qwen2_5_omni_pipeline_gpu_h200_captures_under_load_*_session22_issue24_2026-11-28.json),
-# and a capture under load stalls every stage for about a second.
+# A queued graph is asked for under load (runtime/captures.py), where a capture stalls every
+# stage for about a second, only if it pays: a `beside` graph (without it a wide step runs on
+# every SM and slows the AR stages: the talker took 7.7 against 5.3 ms per step at 32 streams),
+# or a step small enough that kernel launches, not the math, set its time (a first chunk's
+# 32 x 48 frames: 0.75 s eagerly, 0.14 s graphed; a later chunk's 32 x 648 frames: the same
+# either way). H200, benchmarks/results/
+# qwen2_5_omni_pipeline_gpu_h200_captures_under_load_*_session22_issue24_2026-11-28.json.
 LAUNCH_BOUND_FRAMES = 2048
 
 
