@@ -774,7 +774,6 @@ async def main_async(args, res: dict, save) -> None:
         if isinstance(res["runs"].get(name), dict):  # lazy warm-up: graphs still to capture
             res["runs"][name]["pending_captures_at_start"] = pending
             res["runs"][name]["pending_captures_at_end"] = pending_captures(llm)
-            res["runs"][name]["captures_under_load_so_far"] = llm.runtime.load_captures.stats()
             if settle is not None:
                 res["runs"][name]["settle_s"] = settle
         if isinstance(res["runs"].get(name), dict):  # one-sequence prefills run as graphs

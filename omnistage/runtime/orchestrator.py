@@ -26,7 +26,6 @@ import torch
 from PIL import Image
 
 from omnistage.outputs import OmniRequestOutput, StageOutput
-from omnistage.runtime.captures import LoadCaptures
 from omnistage.runtime.process import ProcessStage, StageProcessSpec, unpack_events
 from omnistage.runtime.replicas import ReplicaSet
 from omnistage.runtime.stage import (LaunchedStep, StageEvent, StageHost, StageLink,
@@ -92,7 +91,6 @@ class Orchestrator:
         self.overlap = overlap
         self.inflight: dict[str, LaunchedStep] = {}  # overlap: launched, not collected yet
         self.local = {n: StageHost(w, self._deliver) for n, w in workers.items()}
-        self.load_captures = LoadCaptures()  # a lazy start's graphs, taken under load
         self.remote = {n: self._remote_stage(spec) for n, spec in process_stages.items()}
         self.units: dict[str, Any] = {**self.local, **self.remote}
         by_stage: dict[str, list[Any]] = {}
@@ -372,7 +370,6 @@ class Orchestrator:
             self._drain_control(block=not busy)
         self._expire()
         alone = any(launched.exclusive for launched in self.inflight.values())
-        self.load_captures.start(self.local)  # (draining stages launch only what they hold)
         for name, host in self.units.items():
             if name in self.remote:
                 self._poll_remote(name)
@@ -385,8 +382,6 @@ class Orchestrator:
                     self._sync_step(name, host)
         if self.inflight:
             self._collect_finished()
-        elif self.load_captures.finish(self.local, in_flight=False):
-            pass
         elif not busy and not any(h.has_work() for h in self.local.values()):
             self._idle_capture()
 

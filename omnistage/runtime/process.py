@@ -27,7 +27,6 @@ import torch.multiprocessing  # noqa: F401 - registers tensor reductions with Fo
 from multiprocessing.reduction import ForkingPickler
 
 from omnistage.config import env
-from omnistage.runtime.captures import LoadCaptures
 from omnistage.runtime.stage import StageEvent, StageHost
 
 log = logging.getLogger("omnistage.runtime")
@@ -230,7 +229,6 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
     up(("ready", os.getpid()))
     delay, steps, busy_seconds, link_messages = 0.0, 0, 0.0, 0
     last_stats = time.monotonic()
-    alone, captures = {spec.stage: host}, LoadCaptures()  # a lazy start's graphs under load
 
     def stats() -> dict[str, float]:
         return dict(host.stats(), steps=steps, busy_seconds=busy_seconds,
@@ -290,7 +288,6 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
         if host.has_work():
             if delay:
                 time.sleep(delay)
-            captures.start(alone)  # (a draining stage steps only what it holds)
             t0 = time.perf_counter()
             try:
                 events = host.step()
@@ -302,7 +299,6 @@ def stage_process_main(spec: StageProcessSpec, ctrl: Connection,
             steps += 1
             if events:
                 up(("events", pack_events(events)))
-            captures.finish(alone, in_flight=False)
             if not host.has_work():  # idle now: a final report of this burst
                 up(("stats", stats()))
         if time.monotonic() - last_stats > STATS_INTERVAL:

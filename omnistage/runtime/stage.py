@@ -97,9 +97,6 @@ class ARStageWorker:
         self.busy_seconds = 0.0
         self.stalled = False  # the last step scheduled nothing (e.g. gated on upstream rows)
         self._queued: LaunchedStep | None = None  # the engine's step launched ahead
-        # set while the runtime drains every stage for a capture under load (captures.py):
-        # launch() then runs only the step already queued ahead, and queues none after it
-        self.draining = False
 
     def submit(self, request_id: str, request: Sequence) -> None:
         self.engine.add_request(request)
@@ -118,8 +115,6 @@ class ARStageWorker:
         """The engine's next step, then (async scheduling) the one after it queued behind it;
         each step gets its own end event, so this one is collected as soon as it is done."""
         t0 = time.perf_counter()
-        if self.draining and self._queued is None:
-            return None
         with self.gpu.active(launch=True):
             queued, self._queued = self._queued, None
             start = self.gpu.event()
@@ -129,8 +124,6 @@ class ARStageWorker:
                 return None
             step = queued if queued is not None and queued.state is batch else \
                 self.gpu.launched(batch, start, t0)
-            if self.draining:
-                return step
             t1, start = time.perf_counter(), self.gpu.event()
             ahead = self.engine.launch_ahead(batch)
             if ahead is not None:
@@ -165,19 +158,6 @@ class ARStageWorker:
         now (True). The runtime calls it only when no stage has work (see
         engine/gen/worker.idle_capture for why not beside other stages)."""
         return not self.engine.has_unfinished() and self.engine.runner.idle_capture()
-
-    def wants_capture(self) -> bool:
-        """Steps ran eagerly for want of a decode graph a lazy warm-up queued."""
-        return self.engine.runner.wants_capture()
-
-    def drained(self) -> bool:
-        """No step of this stage is queued on the GPU (with nothing in flight either)."""
-        return self._queued is None
-
-    def capture_wanted(self) -> bool:
-        """The most wanted queued graph, captured now (True). The runtime calls it with every
-        stage of the process drained (runtime/captures.py)."""
-        return self.drained() and self.engine.runner.idle_capture()
 
     def close(self) -> None:
         """The runtime stopped: stop the stage's tensor-parallel ranks (idempotent)."""

@@ -7,6 +7,7 @@ captures themselves and lazy vs full outputs on CUDA are the `gpu` tests at the 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -123,6 +124,48 @@ def test_capture_next_takes_one_graph_in_plan_order(decoder, monkeypatch):
     finally:
         dec.lazy, dec.dit_graphs, dec.voc_graphs = False, {}, {}
         dec.later.clear()
+
+
+def test_capture_next_takes_graphs_steps_missed_first_beside_ones_before_others(decoder,
+                                                                               monkeypatch):
+    """A step that ran without its queued graph (a larger bucket or eagerly) marks it wanted:
+    the next idle captures take wanted graphs first, `beside` ones (a wide step without one
+    takes every SM from the AR stages) before the most missed, then the plan's order."""
+    dec = decoder
+
+    def fake_capture(key):
+        if key[0] == "dit":
+            dec.dit_graphs[dec._key(*key[1:])] = object()
+        else:
+            dec.voc_graphs[key[1:]] = object()
+
+    monkeypatch.setattr(dec, "_capture", fake_capture)
+    monkeypatch.setattr(type(dec), "use_graphs", property(lambda self: True))
+    monkeypatch.setattr(dec, "_on_device", contextlib.nullcontext)
+    monkeypatch.setattr(dec.graphs, "free_sms", 32)  # beside graphs from BESIDE_MIN_BUCKET
+    now, later = capture_plan(CUDA_WINDOW, BLOCK, BUCKETS, beside_min_bucket=BESIDE_MIN_BUCKET,
+                              lazy=True)
+    try:
+        for key in now:
+            fake_capture(key)
+        dec.lazy, dec.later = True, deque(later)
+        dec.wanted.clear()  # (the routing test above asked the module's decoder too)
+        assert dec._graphed(1, 648, False) == (1, 648, False) and not dec.wanted  # captured
+        for _ in range(3):
+            assert dec._graphed(4, 48, False) is None  # queued: eagerly, and missed
+        for _ in range(2):
+            assert dec.voc_target(2, 616) is None  # no captured bucket >= 2: eagerly
+        assert dec._graphed(16, 648, True) is None  # its beside graph: missed once
+        assert dec.wanted == {("dit", 4, 48, False): 3, ("vocoder", 2, 616): 2,
+                              ("dit", 16, 648, True): 1}
+        assert dec.capture_next() == ("dit", 16, 648, True)  # beside first
+        assert dec.capture_next() == ("dit", 4, 48, False)  # then the most missed
+        assert dec.capture_next() == ("vocoder", 2, 616)
+        assert not dec.wanted and dec.capture_next() == later[0]  # then the plan's order
+    finally:
+        dec.lazy, dec.dit_graphs, dec.voc_graphs = False, {}, {}
+        dec.later.clear()
+        dec.wanted.clear()
 
 
 # ------------------------------------------------------------------ the worker's idle gaps
@@ -460,11 +503,9 @@ def test_lazy_decode_graphs_run_uncaptured_sizes_eagerly_then_capture_one_per_ca
     assert len(captured) == n_captures and set(graphs.graphs) == {(1, False, False)}
     graphs.graphs[(8, False, False)] = graph8
     graphs.later = deque([2, 4])
-    # the 3-row steps ran without size 4: it is wanted, and captured before the queue's 2
-    assert graphs.wants_capture() and graphs.wanted[4] > 0
-    assert graphs.capture_next() == 4 and graphs.step_size(3) == 4
-    assert graphs.pending_captures() == 1 and not graphs.wants_capture()
     assert graphs.capture_next() == 2 and (2, False, False) in graphs.graphs
+    assert graphs.pending_captures() == 1 and graphs.step_size(3) == 8
+    assert graphs.capture_next() == 4 and graphs.step_size(3) == 4
     assert graphs.capture_next() is None and graphs.pending_captures() == 0
     assert set(graphs.graphs) == set(full.graphs)
 

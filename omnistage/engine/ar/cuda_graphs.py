@@ -214,12 +214,6 @@ class DecodeGraphs:
         self.later: deque[int] = deque()
         self.later_plan: tuple[bool, list] = (False, [])  # (additive rows, head flag sets)
         self.captured_later, self.later_seconds = 0, 0.0
-        # queued sizes steps ran eagerly for want of (no captured larger size) -> how many did:
-        # capture_next() takes the most needed first; wants_capture() asks for a capture now.
-        # NOTE: a step padded to a captured larger size does not ask: a decode step reads the
-        # weights whatever its rows, so padding costs little, and a capture under load stalls
-        # every stage (runtime/captures.py)
-        self.wanted: dict[int, int] = {}
         event = torch.cuda.Event if cuda else _HostEvent
         self.copied = [event(), event()]  # the input copy has read host[i]
         self.sampled = [event(), event()]  # tokens_host[i] holds the run's ids
@@ -401,8 +395,6 @@ class DecodeGraphs:
         has_e = any(e is not None for e in embeds_rows)
         has_a = any(a is not None for a in add_rows)
         B = self.step_size(n, has_e, has_a)
-        if self.later and self._pending(B, has_a):  # eagerly: no captured larger size
-            self.wanted[B] = self.wanted.get(B, 0) + 1
         self._ensure_row_buffers(embeds_rows, add_rows)
         run, k = self.num_runs, self.num_runs % 2
         self.num_runs += 1
@@ -499,23 +491,17 @@ class DecodeGraphs:
         """Sizes a lazy warm-up left for capture_next()."""
         return len(self.later)
 
-    def wants_capture(self) -> bool:
-        """Whether steps ran eagerly for want of a queued size's graph since it was queued."""
-        return any(B in self.later for B in self.wanted)
-
     def capture_next(self) -> int | None:
-        """Capture a queued size's forward and head graphs (None: none left): the one steps
-        needed most (wanted), else the next in order. Call it on the stage's thread with no
-        step in flight and no head deferred: the warm-up runs rewrite the static input rows."""
+        """Capture the next queued size's forward and head graphs (None: none left). Call it
+        on the stage's thread with no step in flight and no head deferred: the warm-up runs
+        rewrite the static input rows."""
         if not self.later or self.deferred is not None:
             return None
         t0 = time.perf_counter()
-        wanted = [B for B in self.later if B in self.wanted]
-        B = max(wanted, key=self.wanted.__getitem__) if wanted else self.later[0]
+        B = self.later[0]
         with torch.inference_mode():
             self._prepare_capture(self.later_plan[0])
-            self.later.remove(B)  # (before the capture: a failed one is not retried)
-            self.wanted.pop(B, None)
+            self.later.popleft()  # (before the capture: a failed one is not retried)
             self._capture_size(B, *self.later_plan)
         self.captured_later += 1
         self.later_seconds += time.perf_counter() - t0
@@ -559,7 +545,6 @@ class DecodeGraphs:
                                         device=self.device)
         self._prepare_capture(has_a)
         self.later.clear()
-        self.wanted.clear()
         for B in now:
             self._capture_size(B, has_a, flag_sets)
         self.lazy = self.lazy or lazy

@@ -122,14 +122,9 @@ class ModelRunner:
         self.graphs = self.prefill_graphs = None
         gc.collect()  # (a graph in a reference cycle would otherwise outlive the group)
 
-    def wants_capture(self) -> bool:
-        """Steps ran eagerly for want of a decode size a lazy warm-up queued."""
-        return self.graphs is not None and self.graphs.wants_capture()
-
     def idle_capture(self) -> bool:
-        """One decode batch size a lazy warm-up queued (the most wanted first), captured now
-        (True) if any is left. The caller makes sure nothing runs: no step in flight anywhere
-        (a runtime idle pass, or a pass that drained every stage: runtime/captures.py)."""
+        """One decode batch size a lazy warm-up queued, captured now (True) if any is left.
+        The caller makes sure nothing runs (no step in flight anywhere: runtime idle pass)."""
         if self.graphs is None or not self.graphs.pending_captures():
             return False
         return self.graphs.capture_next() is not None

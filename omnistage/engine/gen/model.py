@@ -114,10 +114,9 @@ class GenModel(Protocol):
 
         Lazy capture (optional, GenEngineConfig.warmup_plan="lazy"): a model that also has
         `warmup(buckets, lazy=True)` (capture only what first requests need now, queue the
-        rest), `pending_captures() -> int`, `capture_next()` (capture one queued graph, the
-        most wanted first; on the stage's own thread, between steps) and `wants_capture() ->
-        bool` (a step ran without a queued graph) gets its queued graphs captured one per idle
-        gap of the worker, and under load when steps want them (runtime/captures.py)."""
+        rest), `pending_captures() -> int` and `capture_next()` (capture one queued graph; on
+        the stage's own thread, between steps) gets its queued graphs captured one per idle
+        gap of the worker."""
 
     def drop_jobs(self) -> None:
         """Forget unfinished jobs (their stage failed): their shapes serve steps again."""

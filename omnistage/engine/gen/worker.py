@@ -72,9 +72,6 @@ class GenStageWorker:
         # (idle_capture)
         self.lazy = self.config.warmup_plan == "lazy" and hasattr(self.model, "capture_next")
         self.idle_captures = 0
-        # set while the runtime drains every stage for a capture under load (captures.py):
-        # launch() then only finishes the step in parts, and starts none
-        self.draining = False
         if device.type == "cuda":  # compiled kernels outlive the process (a warm start)
             persist_compile_caches()
         if self.config.warmup:  # (the stage's builder times it as its "graphs" phase)
@@ -133,8 +130,6 @@ class GenStageWorker:
     def launch(self) -> LaunchedStep | None:
         """Queue the next output of up to max_batch ready requests, earliest output first."""
         t0 = time.perf_counter()
-        if self.draining:
-            return self._launch_part(t0, []) if self.job is not None else None
         model = self.model
         ready = self._pick(sorted(((rid, r) for rid, r in self.requests.items()
                                    if self._ready(r) and (self.only is None or rid in self.only)),
@@ -199,27 +194,12 @@ class GenStageWorker:
         self._capture_one()
         return True
 
-    def wants_capture(self) -> bool:
-        """Steps ran on a larger bucket or eagerly for want of a graph a lazy warm-up queued."""
-        return self.lazy and bool(self.captures_pending()) and self.model.wants_capture()
-
-    def drained(self) -> bool:
-        """No step in parts (with nothing in flight either): a capture may run."""
-        return self.job is None
-
-    def capture_wanted(self) -> bool:
-        """The most wanted queued graph, captured now (True). The runtime calls it with every
-        stage of the process drained (runtime/captures.py)."""
-        return (self.lazy and bool(self.captures_pending()) and self.drained()
-                and self._capture_one("under load"))
-
-    def _capture_one(self, when: str = "in an idle gap") -> bool:
+    def _capture_one(self) -> None:
         t0 = time.perf_counter()
         key = self.model.capture_next()
         if key is not None:
-            log.debug("%s: captured %s %s (%.2f s; %d left)", self.name, key, when,
+            log.debug("%s: captured %s in an idle gap (%.2f s; %d left)", self.name, key,
                       time.perf_counter() - t0, self.model.pending_captures())
-        return key is not None
 
     def _count_step(self, size: int) -> None:
         self.last_batch, self.max_batch_seen = size, max(self.max_batch_seen, size)

@@ -34,7 +34,7 @@ from omnistage.engine.gen.graphs import BUCKETS, GraphCache, SegmentGraph, bucke
 from .code2wav_fast import DiTState, Qwen2_5OmniFastDiT
 from .code2wav_options import DIT_DTYPES, VOCODER_DTYPES
 from .code2wav_plan import (BESIDE_MIN_BUCKET, MAX_GRAPH_FRAMES, GraphKey, capture_plan,
-                            launch_bound, vocoder_lengths, window_widths)
+                            vocoder_lengths, window_widths)
 from .code2wav_stream import (GUIDANCE_SCALE, ODE_STEPS, SWAY_COEFFICIENT,
                               Qwen2_5OmniCode2WavChunk, Qwen2_5OmniCode2WavSpan,
                               Qwen2_5OmniCode2WavStream, Qwen2_5OmniCode2WavStreamConfig,
@@ -148,9 +148,8 @@ class Qwen2_5OmniCode2WavDecoder:
         self.lazy = False
         self.later: deque[GraphKey] = deque()
         self.later_captured, self.later_seconds = 0, 0.0
-        # queued graphs a step needed and ran without (a larger bucket or eagerly) -> how many
-        # times: capture_next() takes the most needed first; wants_capture() asks for it now
-        # (beside graphs, and other shapes only where launch-bound: code2wav_plan.launch_bound)
+        # queued graphs steps needed and ran without (a larger bucket or eagerly) -> how many
+        # times: capture_next() takes them first, `beside` ones before the rest
         self.wanted: dict[GraphKey, int] = {}
 
     # the graph services' state, by the names the decoder has always shown
@@ -293,8 +292,7 @@ class Qwen2_5OmniCode2WavDecoder:
         """The vocoder graph key of a (bucket, length) batch (as dit_target); None: eagerly."""
         if not self.lazy or (bucket, length) in self.voc_graphs:
             return bucket, length
-        if launch_bound(bucket, length):
-            self._want(("vocoder", bucket, length))
+        self._want(("vocoder", bucket, length))
         return next(((b, length) for b in self.buckets
                      if b >= bucket and (b, length) in self.voc_graphs), None)
 
@@ -486,7 +484,7 @@ class Qwen2_5OmniCode2WavDecoder:
         if not self.use_graphs or width > self.max_graph_frames:
             return None
         key = self._key(bucket, width, beside)
-        if self.lazy and key not in self.dit_graphs and (key[2] or launch_bound(bucket, width)):
+        if self.lazy and key not in self.dit_graphs:
             self._want(("dit", *key))
         return self.dit_target(bucket, width, beside)
 
@@ -527,12 +525,8 @@ class Qwen2_5OmniCode2WavDecoder:
         self.wanted.clear()
 
     def _normal(self, key: GraphKey) -> GraphKey:
-        # a queued key as wanted() records it (the DiT's `beside` as _key routes it)
+        # a queued key as _want() records it (the DiT's `beside` as _key routes it)
         return ("dit", *self._key(*key[1:])) if key[0] == "dit" else key
-
-    def wants_capture(self) -> bool:
-        """Whether steps ran without a queued graph since it was queued."""
-        return any(self._normal(k) in self.wanted for k in self.later)
 
     def captured(self, key: GraphKey) -> bool:
         if key[0] == "dit":
@@ -559,8 +553,10 @@ class Qwen2_5OmniCode2WavDecoder:
         if not self.later or self._live:
             return None
         wanted = [k for k in self.later if self._normal(k) in self.wanted]
-        # beside graphs first (without one a wide step takes every SM from the AR stages),
-        # then the most wanted
+        # NOTE (beside first): without its beside graph a wide step runs eagerly on every SM
+        # and slows the AR stages beside it (the talker: 7.7 against 5.0-5.3 ms per step at
+        # c32 on the H200, benchmarks/results/
+        # qwen2_5_omni_pipeline_gpu_h200_captures_under_load_session22_issue24_2026-11-28.json)
         key = (max(wanted, key=lambda k: (k[0] == "dit" and self._normal(k)[3],
                                           self.wanted[self._normal(k)])) if wanted
                else self.later[0])

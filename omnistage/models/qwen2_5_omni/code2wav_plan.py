@@ -79,19 +79,3 @@ def capture_plan(config: Qwen2_5OmniCode2WavStreamConfig, block: int, buckets: t
     now = {("dit", buckets[0], w, False) for w in main}
     now |= {("vocoder", buckets[0], n) for n in vocoder_lengths(config, block)}
     return [k for k in order if k in now], [k for k in order if k not in now]
-
-
-# A queued graph is asked for under load (runtime/captures.py), where a capture stalls every
-# stage for about a second, only if it pays: a `beside` graph (without it a wide step runs on
-# every SM and slows the AR stages: the talker took 7.7 against 5.3 ms per step at 32 streams),
-# or a step small enough that kernel launches, not the math, set its time (a first chunk's
-# 32 x 48 frames: 0.75 s eagerly, 0.14 s graphed; a later chunk's 32 x 648 frames: the same
-# either way). H200, benchmarks/results/
-# qwen2_5_omni_pipeline_gpu_h200_captures_under_load_*_session22_issue24_2026-11-28.json.
-LAUNCH_BOUND_FRAMES = 2048
-
-
-def launch_bound(bucket: int, frames: int) -> bool:
-    """Whether a DiT or vocoder batch of `bucket` rows x `frames` mel frames is small enough
-    for its graph to be worth a capture under load."""
-    return bucket * frames <= LAUNCH_BOUND_FRAMES

@@ -91,9 +91,6 @@ class Qwen2_5OmniCode2WavModel:
     def capture_next(self) -> object | None:
         return None if self._decoder is None else self._decoder.capture_next()
 
-    def wants_capture(self) -> bool:
-        return self._decoder is not None and self._decoder.wants_capture()
-
     # ---------------------------------------------------------------- requests
     def new_state(self, request: Code2WavRequest) -> Code2WavRequest:
         # the voice arrives on the host when the front end runs in another process
