@@ -8,7 +8,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from omnistage import OmniLLM, SamplingParams
-from omnistage.engine.ar.sampler import apply_penalties, apply_warpers, hashed_uniform, sample
+from omnistage.engine.ar.sampler import (SamplingTensors, apply_penalties, apply_warpers,
+                                         hashed_uniform, sample)
 from omnistage.engine.ar.sequence import Sequence
 from tests.engine.sampler_reference import host_tensors
 
@@ -94,6 +95,27 @@ def test_hashed_uniform_is_a_function_of_seed_and_step():
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
     u2 = hashed_uniform(seed, step + 1, 1000)
     assert not torch.equal(u[0], u2[0])
+
+
+def test_top_hash_value_is_below_one_and_bans_hold():
+    """Seed 3502, step 1: token 2178's hash is the largest (2^24 - 1 + 0.5 rounds to 2^24 in
+    float32). Its u was exactly 1.0, its Gumbel noise +inf, and with 2178 banned (-inf) the
+    score NaN, which argmax drew: Qwen3-Omni's talker emitted a suppressed codec id."""
+    V, banned_ids = 3072, [i for i in range(2048, 3072) if i != 2150]
+    seed, step = torch.tensor([3502]), torch.tensor([1])
+    u = hashed_uniform(seed, step, V)
+    assert u.max() < 1 and u[0, 2178] == u.max()
+    banned = torch.zeros(1, V, dtype=torch.bool)
+    banned[0, banned_ids] = True
+    for top_k in (0, 50):
+        t = SamplingTensors(
+            temperature=torch.tensor([0.9]), top_k=torch.tensor([top_k]),
+            top_p=torch.tensor([1.0]), min_p=torch.tensor([0.0]), seed=seed, step=step,
+            all_greedy=False, any_top_k=top_k > 0, any_top_p=False, any_min_p=False,
+            banned_mask=banned)
+        for _ in range(5):
+            tok = sample(torch.randn(1, V) * 3, t).item()
+            assert tok not in banned_ids
 
 
 def test_seeded_sampling_same_alone_and_batched(tiny_qwen2):

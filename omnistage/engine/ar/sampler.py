@@ -105,14 +105,21 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# the largest float32 below 1. NOTE: (2^24 - 1) + 0.5 rounds up to 2^24 in float32, so the top
+# hash value (1 id in 2^24 per draw) gave u == 1.0 exactly: Gumbel noise +inf, which made a
+# banned (-inf) id NaN, and argmax picks NaN (a suppressed id or a stop id under min_tokens
+# was drawn; a top-k/top-p-cut id too), and forced a kept id. u is clamped below 1 instead.
+U_MAX = 1.0 - 2.0 ** -24
+
+
 def hashed_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) [N, V], a pure function of (seed, step, token id)."""
+    """U(0,1) [N, V], a pure function of (seed, step, token id); 0 < u <= U_MAX < 1."""
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
     key = _fmix32(_fmix32(lo ^ _fmix32(hi + 0x9E3779B9)) ^ (step & _MASK32))  # [N]
     ids = torch.arange(vocab, device=seed.device, dtype=torch.long)
     x = _fmix32((key[:, None] ^ (ids[None, :] * 0x27D4EB2F & _MASK32)) & _MASK32)
     x = _fmix32(x ^ key[:, None])
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return (((x >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

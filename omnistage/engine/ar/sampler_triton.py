@@ -56,6 +56,7 @@ def _neg_log_gumbel(key, ids):
     h = ids.to(tl.uint32) * 0x27D4EB2F
     x = _fmix32(_fmix32(key ^ h) ^ key)
     u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = tl.minimum(u, 0.999999940395355224609375)  # sampler.U_MAX: u == 1.0 made banned ids NaN
     return tl.log(-tl.log(u))
 
 
