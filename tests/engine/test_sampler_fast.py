@@ -154,3 +154,27 @@ def test_sampled_rows_follow_their_seed_not_greedy():
     got = st.sample_rows(logits, slots, steps, None, flags, update=False, fast=True).tolist()
     assert got == ref
     assert len(set(got[:3])) == 3 and got[3] == 0
+
+
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_top_hash_value_never_draws_a_banned_id(top_k):
+    """Seed 3502, step 1: token 2178's hash is the largest, whose u rounded to exactly 1.0 in
+    float32 (Gumbel noise +inf; with 2178 suppressed, a NaN score that argmax drew). Both
+    paths keep it banned and draw the same token (tests/engine/test_sampler.py has the
+    torch-side check of u)."""
+    from omnistage.engine.ar.sampler import SUPPRESS
+    V = 3072
+    st = SamplerState(4, V, DEVICE)
+    st.fparams[0, 0] = 0.9
+    st.iparams[0] = torch.tensor([top_k, 3502, 0])
+    st.bits[0, 2048:] = SUPPRESS
+    st.bits[0, 2150] = 0  # (the codec's eos stays allowed, as the talker's defaults have it)
+    flags = SamplingFlags(False, top_k > 0, False, False, False, True)
+    slots, steps = (torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        logits = (torch.randn(1, V, generator=g) * 3).to(DEVICE)
+        ref = st.sample_rows(logits, slots, steps, None, flags, update=False, fast=False)
+        got = st.sample_rows(logits, slots, steps, None, flags, update=False, fast=True)
+        assert got.item() == ref.item()
+        assert got.item() == 2150 or not 2048 <= got.item() < 3072
