@@ -8,6 +8,7 @@ captures themselves and lazy vs full outputs on CUDA are the `gpu` tests at the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -93,16 +94,21 @@ def test_lazy_routing_pads_to_a_captured_bucket_or_runs_eagerly(decoder):
         dec.lazy, dec.dit_graphs, dec.voc_graphs = False, {}, {}
 
 
+def _fake_capture(dec: Qwen2_5OmniCode2WavDecoder, key: tuple) -> None:
+    # a graph's bookkeeping, without CUDA
+    if key[0] == "dit":
+        dec.dit_graphs[dec._key(*key[1:])] = object()
+    else:
+        dec.voc_graphs[key[1:]] = object()
+
+
 def test_capture_next_takes_one_graph_in_plan_order(decoder, monkeypatch):
     dec = decoder
     captured: list[tuple] = []
 
-    def fake_capture(key):  # the graph's bookkeeping, without CUDA
+    def fake_capture(key):
         captured.append(key)
-        if key[0] == "dit":
-            dec.dit_graphs[dec._key(*key[1:])] = object()
-        else:
-            dec.voc_graphs[key[1:]] = object()
+        _fake_capture(dec, key)
 
     monkeypatch.setattr(dec, "_capture", fake_capture)
     now, later = capture_plan(CUDA_WINDOW, BLOCK, (1, 2, 4), lazy=True)
@@ -133,12 +139,7 @@ def test_capture_next_takes_graphs_steps_missed_first_beside_ones_before_others(
     takes every SM from the AR stages) before the most missed, then the plan's order."""
     dec = decoder
 
-    def fake_capture(key):
-        if key[0] == "dit":
-            dec.dit_graphs[dec._key(*key[1:])] = object()
-        else:
-            dec.voc_graphs[key[1:]] = object()
-
+    fake_capture = functools.partial(_fake_capture, dec)
     monkeypatch.setattr(dec, "_capture", fake_capture)
     monkeypatch.setattr(type(dec), "use_graphs", property(lambda self: True))
     monkeypatch.setattr(dec, "_on_device", contextlib.nullcontext)

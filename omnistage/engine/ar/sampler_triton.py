@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from omnistage.engine.ar.sampler import U_MAX
+
 _NEG_INF = tl.constexpr(float("-inf"))
+_U_MAX = tl.constexpr(U_MAX)  # u below 1 (sampler.hashed_uniform's clamp, the same value)
 # NOTE: the kernels' branch flags are bits of one runtime int (FLAGS), not constexprs, so a
 # batch with a new mix of sampling states (penalties, bans, forced ids, top-k/p, min-p) does
 # not compile a new kernel mid-serving. H100, requests arriving over 6 s after all-at-once
@@ -56,7 +59,7 @@ def _neg_log_gumbel(key, ids):
     h = ids.to(tl.uint32) * 0x27D4EB2F
     x = _fmix32(_fmix32(key ^ h) ^ key)
     u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    u = tl.minimum(u, 0.999999940395355224609375)  # sampler.U_MAX: u == 1.0 made banned ids NaN
+    u = tl.minimum(u, _U_MAX)
     return tl.log(-tl.log(u))
 
 
