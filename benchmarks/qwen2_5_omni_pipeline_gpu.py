@@ -859,11 +859,13 @@ def main() -> None:
     ap.add_argument("--code2wav-warmup", action="store_true",
                     help="capture every code2wav CUDA graph before the warm-up rounds")
     ap.add_argument("--graph-warmup-plan", default=None, choices=["full", "lazy"],
-                    help="the AR stages' decode graphs: every batch size at load (full, the "
-                         "default) or sizes <= 4, the rest in idle passes (lazy)")
+                    help="the AR stages' decode graphs: every batch size at load (full) or "
+                         "sizes <= 4 and the largest, the rest in idle passes (lazy); default: "
+                         "the engine's (full)")
     ap.add_argument("--code2wav-warmup-plan", default=None, choices=["full", "lazy"],
-                    help="code2wav graphs at load: all (full) or a first request's, the rest "
-                         "in idle gaps (lazy); default: the engine's (full)")
+                    help="code2wav graphs at load: all (full) or a first request's and the "
+                         "largest bucket's, the rest in idle gaps (lazy); default: "
+                         "the engine's (full)")
     ap.add_argument("--process-stages", default="",
                     help="comma-separated stages to run in processes of their own")
     ap.add_argument("--device", default=None, help="default: cpu with --small, else cuda")

@@ -26,6 +26,7 @@ MAX_PROMPTS_PER_CALL = 100_000
 WARMUP_PROMPT = "Hello."
 WARMUP_TOKENS, WARMUP_LATER_TOKENS = 8, 64
 WARMUP_TIMEOUT_S = 600.0
+WARMUP_PLANS = ("full", "lazy")
 log = logging.getLogger("omnistage")
 
 
@@ -36,7 +37,9 @@ class OmniBase:
                  overlap: bool | None = None, **engine_options: Any) -> None:
         """engine_options: AR engine options (EngineOptions' fields) for every AR stage, and the
         pipeline's own options (e.g. Qwen2.5-Omni's code2wav_*); overlap: the pipeline YAML's
-        `overlap` (None: the YAML's, else on when a stage runs on a GPU)."""
+        `overlap` (None: the YAML's, else on when a stage runs on a GPU); warmup_plan: "full"
+        (every CUDA graph at load, the default) or "lazy" (what a first request and a burst at
+        the largest batch need at load, the rest in a background runtime's idle passes)."""
         with startup.recording() as self.startup_seconds:
             self._build(model, pipeline, device, dtype, request_timeout, overlap, engine_options)
         log.info("start-up (%s): %s", model, startup.describe(self.startup_seconds))
@@ -62,6 +65,7 @@ class OmniBase:
             raise ValueError(f"overlap: true, false or None, got {overlap!r}")
         # ray_address: stages placed as Ray actors (runtime/ray_placement.py)
         engine_options = placement_options(self.pipeline_config, engine_options, pipeline_cls)
+        self._set_warmup_plan(engine_options, pipeline_cls)
         self.pipeline: Pipeline = pipeline_cls(self.path, config, self.pipeline_config, self.device,
                                      self.dtype, dict(engine_options))
         with startup.phase("runtime"):  # (stage processes build their stages in here)
@@ -70,6 +74,23 @@ class OmniBase:
                 process_stages=self.pipeline.process_stages,
                 order=self.pipeline.stage_names,
                 overlap=self.pipeline_config.overlap if overlap is None else overlap)
+
+    @staticmethod
+    def _set_warmup_plan(engine_options: dict[str, Any], pipeline_cls: type) -> None:
+        """`warmup_plan` ("full", "lazy"; None: each stage's own, full) -> the pipeline's
+        per-stage plan options (`warmup_plan_options`) not given.
+
+        NOTE (why not lazy by default): a lazy start holds a c32 burst (the largest bucket is
+        captured at load) but c8 right after it ran at 21.8 against 45.6 audio-s/s on the H200
+        (its DiT steps padded to 32 rows), and the other graphs come only in idle passes, which
+        a steady load never leaves (benchmarks/results/
+        qwen2_5_omni_pipeline_gpu_h200_lazy_top_bucket_session23_issue24_2026-11-29.json)."""
+        plan = engine_options.pop("warmup_plan", None)
+        if plan is not None and plan not in WARMUP_PLANS:
+            raise ValueError(f"warmup_plan: 'full' or 'lazy', got {plan!r}")
+        for key in getattr(pipeline_cls, "warmup_plan_options", ()) if plan else ():
+            if engine_options.get(key) is None:
+                engine_options[key] = plan
 
     # -------------------------------------------------------------- conveniences
     @property

@@ -59,6 +59,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-budget", type=float, default=None, metavar="GIB",
                    help="device memory the pipeline may use, as NVML counts it; sizes the KV "
                    "caches (omni pipelines, stages in this process)")
+    p.add_argument("--warmup-plan", choices=["full", "lazy"], default=None,
+                   help="CUDA graphs at load: full = every graph (default); lazy = those a "
+                   "first request and a burst at the largest batch need, the others while the "
+                   "server is idle (a faster start; smaller batches run padded until then)")
     p.add_argument("--stage-worker", choices=["inprocess", "process"], default=None,
                    help="run every stage in this process or each in its own (default: the "
                    "pipeline YAML's `worker` keys)")
@@ -68,7 +72,7 @@ def _engine_kwargs(args) -> dict:
     opts = {k: getattr(args, k) for k in ("max_model_len", "max_num_seqs",
                                           "max_num_batched_tokens", "num_kv_blocks",
                                           "block_size", "stage_worker", "quantization",
-                                          "gpu_memory_budget")}
+                                          "gpu_memory_budget", "warmup_plan")}
     return {"pipeline": args.pipeline, "device": args.device, "dtype": args.dtype,
             **{k: v for k, v in opts.items() if v is not None}}
 

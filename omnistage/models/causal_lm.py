@@ -53,6 +53,7 @@ def build_causal_lm(ctx: StageContext) -> ARStageWorker:
 @register_pipeline(CAUSAL_LM_PIPELINE)
 class CausalLMPipeline:
     voices: dict = {}  # a plain LM does not speak
+    warmup_plan_options = ("graph_warmup_plan",)  # (Pipeline)
     build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
 
     @staticmethod

@@ -209,6 +209,7 @@ class ImagePipeline:
     builtin: str
     CLASS_NAMES: tuple[str, ...] = ()
     family = "image"
+    warmup_plan_options: tuple[str, ...] = ()  # (Pipeline) no lazy warm-up
     size_multiple = 16  # VAE 8x, then 2x2 patches
     max_side = 2048
     max_pixels = 2048 * 2048

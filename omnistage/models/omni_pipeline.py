@@ -112,6 +112,7 @@ class ThinkerTalkerPipeline:
     `_route_audio`."""
 
     family = ""  # named in errors
+    warmup_plan_options = ("graph_warmup_plan", "code2wav_warmup_plan")  # (Pipeline)
 
     build_stage = staticmethod(build_stage_worker)  # by each stage's registered `model`
 

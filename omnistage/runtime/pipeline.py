@@ -28,6 +28,9 @@ class Pipeline(Protocol):
     voices: dict[str, Any]  # speaker name -> voice data ({} when the model does not speak)
     max_model_len: int  # the first stage's context length (prompt bound)
     tokenizer: Any
+    # the constructor options that choose each stage's graph warm-up, "full" or "lazy": the
+    # ones OmniBase's `warmup_plan` sets
+    warmup_plan_options: tuple[str, ...]
 
     @classmethod
     def matches(cls, config: dict) -> bool:

@@ -46,16 +46,21 @@ def test_full_plan_is_every_graph_at_load():
     assert later == [] and len(now) == len(set(now)) and set(now) == want
 
 
-def test_lazy_plan_captures_batch_one_first_then_bucket_by_bucket():
+def test_lazy_plan_captures_batch_one_and_the_largest_bucket_then_bucket_by_bucket():
     full, _ = capture_plan(CUDA_WINDOW, BLOCK, BUCKETS, beside_min_bucket=BESIDE_MIN_BUCKET)
     now, later = capture_plan(CUDA_WINDOW, BLOCK, BUCKETS, beside_min_bucket=BESIDE_MIN_BUCKET,
                               lazy=True)
     first, whole = first_window_width(CUDA_WINDOW, BLOCK), full_window_width(CUDA_WINDOW, BLOCK)
     assert (first, whole) == (48, 648)  # chunk 0's window; a later chunk's (2 + 24 + 1 blocks)
     voc = vocoder_lengths(CUDA_WINDOW, BLOCK)
-    # at load: what a first request needs at batch 1 (its first and later chunks, BigVGAN)
-    assert now == [("dit", 1, first, False), ("dit", 1, whole, False),
-                   *(("vocoder", 1, n) for n in voc)]
+    # at load: what a first request needs at batch 1 (its first and later chunks, BigVGAN),
+    # then every graph of the largest bucket (a burst pads up to it), beside ones included
+    top = BUCKETS[-1]
+    assert now[:4] == [("dit", 1, first, False), ("dit", 1, whole, False),
+                       *(("vocoder", 1, n) for n in voc)]
+    assert now[4:] == [k for k in full if k[1] == top]
+    assert ("dit", top, whole, True) in now and ("dit", top, first, False) in now
+    assert not any(k[1] == top for k in later)
     # nothing lost, nothing twice; later ones in bucket order, each bucket's main widths first
     assert sorted(now + later) == sorted(full) and not set(now) & set(later)
     assert [k[1] for k in later] == sorted(k[1] for k in later)
@@ -153,10 +158,11 @@ def test_capture_next_takes_graphs_steps_missed_first_beside_ones_before_others(
         dec.wanted.clear()  # (the routing test above asked the module's decoder too)
         assert dec._graphed(1, 648, False) == (1, 648, False) and not dec.wanted  # captured
         for _ in range(3):
-            assert dec._graphed(4, 48, False) is None  # queued: eagerly, and missed
+            # queued: padded up to the largest bucket (captured at load), and missed
+            assert dec._graphed(4, 48, False) == (32, 48, False)
         for _ in range(2):
-            assert dec.voc_target(2, 616) is None  # no captured bucket >= 2: eagerly
-        assert dec._graphed(16, 648, True) is None  # its beside graph: missed once
+            assert dec.voc_target(2, 616) == (32, 616)
+        assert dec._graphed(16, 648, True) == (32, 648, True)  # its beside graph: missed once
         assert dec.wanted == {("dit", 4, 48, False): 3, ("vocoder", 2, 616): 2,
                               ("dit", 16, 648, True): 1}
         assert dec.capture_next() == ("dit", 16, 648, True)  # beside first
@@ -373,6 +379,52 @@ def test_warmup_plan_option_is_validated():
         pop_stage_options({"code2wav_warmup_plan": True}, GenEngineConfig, {})
     config, _ = pop_stage_options({"code2wav_warmup_plan": "lazy"}, GenEngineConfig, {})
     assert config.warmup_plan == "lazy"
+
+
+def test_warmup_plan_sets_every_stage_plan_not_given(tiny_omni_dir):
+    """`warmup_plan` sets the thinker's, talker's and code2wav's plans (a stage's own option
+    wins); without it every stage keeps its default, full, in both front ends."""
+    from omnistage.entrypoints.async_llm import AsyncOmniLLM
+
+    def plans(llm) -> tuple[str, ...]:
+        workers = llm.pipeline.workers
+        return (workers["thinker"].engine.config.graph_warmup_plan,
+                workers["talker"].engine.config.graph_warmup_plan,
+                workers["code2wav"].config.warmup_plan)
+
+    cases = [(AsyncOmniLLM, {}, ("full",) * 3), (OmniLLM, {}, ("full",) * 3),
+             (AsyncOmniLLM, {"warmup_plan": "lazy"}, ("lazy",) * 3),
+             (OmniLLM, {"warmup_plan": "lazy", "code2wav_warmup_plan": "full"},
+              ("lazy", "lazy", "full"))]
+    for cls, options, want in cases:
+        llm = cls(str(tiny_omni_dir), device="cpu", **options)
+        try:
+            assert plans(llm) == want, (cls.__name__, options)
+        finally:
+            llm.shutdown()
+    with pytest.raises(ValueError, match="warmup_plan"):
+        OmniLLM(str(tiny_omni_dir), device="cpu", warmup_plan="soon")
+
+
+def test_serve_warmup_plan_flag_reaches_the_engine(tiny_omni_dir, monkeypatch):
+    from omnistage.entrypoints import async_llm
+    from omnistage.entrypoints.cli import main
+    seen: list[dict] = []
+
+    class Built(Exception):
+        pass
+
+    def engine(model, **kwargs):
+        seen.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(async_llm, "AsyncOmniLLM", engine)
+    for argv in (["--warmup-plan", "full"], ["--warmup-plan", "lazy"], []):
+        with pytest.raises(Built):
+            main(["serve", str(tiny_omni_dir), "--no-warmup", *argv])
+    assert [kw.get("warmup_plan") for kw in seen] == ["full", "lazy", None]
+    with pytest.raises(SystemExit):
+        main(["serve", str(tiny_omni_dir), "--warmup-plan", "later"])
 
 
 # ------------------------------------------------------------------ the tiny pipeline

@@ -58,11 +58,19 @@ def capture_plan(config: Qwen2_5OmniCode2WavStreamConfig, block: int, buckets: t
     capture order. beside_min_bucket: the smallest bucket with a `beside` DiT graph of its own
     (None: no such graphs, free_sms off).
 
-    full: everything at load. lazy: at load only what a first request needs, batch 1: chunk 0's
-    width, the full window (its later chunks) and the vocoder's spans; later, bucket by bucket
-    upwards (concurrency ramps up), in each the widths a step most often needs first (chunk 0's,
-    the full window, the vocoder's spans, then the last chunks' half and quarter widths, then
-    the beside variants)."""
+    full: everything at load. lazy: at load what a first request needs at batch 1 (chunk 0's
+    width, the full window for its later chunks, the vocoder's spans) and every graph of the
+    largest bucket; later, the other buckets upwards (concurrency ramps up), in each the widths
+    a step most often needs first (chunk 0's, the full window, the vocoder's spans, then the
+    last chunks' half and quarter widths, then the beside variants).
+
+    NOTE (why the largest bucket at load): until a bucket's own graph exists a step runs on the
+    smallest captured larger bucket (padding rows are masked out), so the largest one holds a
+    burst of any size. Without it a burst right after a lazy start ran its first chunks and
+    wide steps eagerly on every SM (c32 on the H200: 64.6 audio-s/s against 78.7-80.4 with
+    every graph; with the largest bucket at load 77.2-79.0, its `beside` graphs included:
+    74.5 without them; benchmarks/results/
+    qwen2_5_omni_pipeline_gpu_h200_lazy_top_bucket_session23_issue24_2026-11-29.json)."""
     first, full = first_window_width(config, block), full_window_width(config, block)
     widths = [w for w in window_widths(config, block) if w <= max_graph_frames]
     main = [w for w in (first, full) if w in widths]
@@ -78,4 +86,5 @@ def capture_plan(config: Qwen2_5OmniCode2WavStreamConfig, block: int, buckets: t
         return order, []
     now = {("dit", buckets[0], w, False) for w in main}
     now |= {("vocoder", buckets[0], n) for n in vocoder_lengths(config, block)}
+    now |= {k for k in order if k[1] == buckets[-1]}
     return [k for k in order if k in now], [k for k in order if k not in now]
