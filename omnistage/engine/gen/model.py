@@ -13,7 +13,8 @@ run is split into begin(batch, beside) -> job, advance(job, n) -> all queued?, f
 The clients this interface is shaped for:
   - Qwen2.5-Omni code2wav (code2wav_stage.py): an output is a chunk of a sliding DiT window;
     the ODE's 9 RK4 intervals are the intervals, then BigVGAN runs in finish(); graphs per
-    (batch bucket, window width), one segment per interval, so a part replays segments.
+    (batch bucket, window width): the window's preparation and one interval graph replayed
+    per interval, so a part replays intervals.
   - Qwen3-Omni code2wav: a stateful streaming decoder (per-layer sliding-window KV and causal
     conv state carried between chunks over 16-codebook frames): the per-request state object
     holds those caches (gathered into the batch in begin(), scattered back in finish()); one

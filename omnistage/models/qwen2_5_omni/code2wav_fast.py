@@ -118,6 +118,14 @@ class Qwen2_5OmniFastDiT:
         m = dit.norm_out.linear(temb).view(len(self.times), 2, -1)
         self.out_mods = cast(torch.stack([1 + m[:, 0], m[:, 1]], 1))  # [E, 2, D]: 1+scale, shift
         self.proj_out = (cast(dit.proj_out.weight), cast(dit.proj_out.bias))
+        # the same table by interval (IntervalCursor): row i = every layer's modulation at
+        # evaluations 4i .. 4i + 3, then the output norm's; the step widths beside it (float32:
+        # the ODE state's arithmetic)
+        n_int, n_layers, dim = len(self.widths), len(self.mods), self.out_mods.shape[-1]
+        by_layer = torch.stack(self.mods).view(n_layers, n_int, 4, 6, dim).transpose(0, 1)
+        self.interval_table = torch.cat([by_layer.reshape(n_int, -1),
+                                         self.out_mods.view(n_int, -1)], 1).contiguous()
+        self.interval_widths = torch.tensor(self.widths, dtype=torch.float32, device=self.device)
         w = dit.input_embed.proj.weight
         self.w_in_x = cast(w[:, :spec.mel_dim])
         # the static part stays in the model's dtype: it runs once per window
@@ -172,15 +180,19 @@ class Qwen2_5OmniFastDiT:
 
     def velocity(self, x: torch.Tensor, e: int, static: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], masks: dict, keep: torch.Tensor,
-                 compiled: bool = False) -> torch.Tensor:
+                 compiled: bool = False, table: tuple[list[torch.Tensor], torch.Tensor] | None
+                 = None) -> torch.Tensor:
         """The guided velocity at evaluation e: ODE state x [R, W, mel] float32 -> [R, W, mel]
-        float32 (padding zeroed). compiled: the inductor-compiled step functions (same math)."""
+        float32 (padding zeroed). compiled: the inductor-compiled step functions (same math).
+        table: (every layer's modulation [E, 6, D], the output norm's [E, 2, D]) to index by e
+        (None: the whole time table; an IntervalCursor's: one interval's four evaluations)."""
         embed, layer, out = _compiled_steps() if compiled else (_dit_in, _dit_layer, _dit_out)
-        first = self.mods[0][e]
+        layer_mods, out_mods = table or (self.mods, self.out_mods)
+        first = layer_mods[0][e]
         h, n = embed(x, static, self.w_in_x, first[0], first[1], self.use_cfg)
-        nxt = [(m[e][0], m[e][1]) for m in self.mods[1:]]  # the next layer's shift, 1 + scale
-        nxt.append((self.out_mods[e][1], self.out_mods[e][0]))  # then the output norm's
-        for mods, (*weights, key), (shift, scale) in zip(self.mods, self.layers, nxt,
+        nxt = [(m[e][0], m[e][1]) for m in layer_mods[1:]]  # the next layer's shift, 1 + scale
+        nxt.append((out_mods[e][1], out_mods[e][0]))  # then the output norm's
+        for mods, (*weights, key), (shift, scale) in zip(layer_mods, self.layers, nxt,
                                                         strict=True):
             h, n = layer(h, n, mods[e], shift, scale, *weights, *rope, masks[key], self.heads,
                          self.block_frames)
@@ -218,14 +230,21 @@ class Qwen2_5OmniFastDiT:
         keep = valid.unsqueeze(-1)
         return DiTState(noise.masked_fill(~keep, 0.0), static, rope, masks, keep)
 
-    def interval(self, state: DiTState, i: int, compiled: bool = False) -> torch.Tensor:
+    def interval(self, state: DiTState, i: int, compiled: bool = False,
+                 cursor: IntervalCursor | None = None) -> torch.Tensor:
         """RK4 interval i (evaluations 4i .. 4i + 3): state.x advanced in place (a CUDA graph
-        of one interval writes the same buffer every replay); returns it."""
-        def vel(x: torch.Tensor, j: int) -> torch.Tensor:
-            return self.velocity(x, 4 * i + j, state.static, state.rope, state.masks,
-                                 state.keep, compiled)
+        of one interval writes the same buffer every replay); returns it. cursor: the interval
+        whose inputs the cursor holds (i unused): one graph then runs every interval."""
+        if cursor is None:
+            table, e0, h = None, 4 * i, self.widths[i]
+        else:  # (h: a float32 tensor; the same float32 products as the Python float's)
+            table, e0, h = (cursor.layer_mods, cursor.out_mods), 0, cursor.width
 
-        x, h, third = state.x, self.widths[i], 1 / 3
+        def vel(x: torch.Tensor, j: int) -> torch.Tensor:
+            return self.velocity(x, e0 + j, state.static, state.rope, state.masks,
+                                 state.keep, compiled, table)
+
+        x, third = state.x, 1 / 3
         # the reference's arithmetic, operand order included
         k1 = vel(x, 0)
         k2 = vel(x + k1 * h * third, 1)
@@ -243,6 +262,31 @@ class DiTState:
     rope: tuple[torch.Tensor, torch.Tensor]
     masks: dict
     keep: torch.Tensor
+
+
+class IntervalCursor:
+    """One RK4 interval's time-dependent inputs in buffers of their own: every layer's
+    modulation at its four evaluations, the output norm's and the step width. An interval run
+    with the cursor (Qwen2_5OmniFastDiT.interval) reads only these, so one CUDA graph of it
+    runs interval i after load(i): a DiT shape costs two captures (the window's preparation and
+    one interval), not one per interval. A graph needs a cursor of its own (graphs of two
+    shapes may replay side by side)."""
+
+    def __init__(self, fast: Qwen2_5OmniFastDiT) -> None:
+        self.fast = fast
+        self.intervals = len(fast.widths)
+        self.params = torch.empty_like(fast.interval_table[0])
+        self.width = torch.empty(1, dtype=torch.float32, device=fast.device)
+        n_layers, dim = len(fast.mods), fast.out_mods.shape[-1]
+        per_layer = 4 * 6 * dim
+        self.layer_mods = [self.params[k * per_layer:(k + 1) * per_layer].view(4, 6, dim)
+                           for k in range(n_layers)]
+        self.out_mods = self.params[n_layers * per_layer:].view(4, 2, dim)
+
+    def load(self, i: int) -> None:
+        """Interval i's inputs (two device copies, queued on the current stream)."""
+        self.params.copy_(self.fast.interval_table[i], non_blocking=True)
+        self.width.copy_(self.fast.interval_widths[i:i + 1], non_blocking=True)
 
 
 # ---------------------------------------------------------------- the DiT's step functions

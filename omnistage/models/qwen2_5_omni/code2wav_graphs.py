@@ -6,13 +6,14 @@
     stay absolute and padded frames are masked out of attention (the DiT's only cross-frame op),
     so a padded row equals its window decoded alone. Edge chunks (windows clipped at frame 0 or
     at the utterance's end) are padded the same way: every chunk runs in a fixed shape. On CUDA
-    the ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is one CUDA
-    graph per RK4 interval (9), captured lazily into a shared memory pool; run back to back, or
-    in parts with other shapes' graphs between them (begin_job). By default the DiT's step functions
-    inside these graphs are inductor-compiled (code2wav_fast._compiled_steps): norms, modulation,
-    rotary, activations and residuals fuse around the GEMMs and attention, compiled once for
-    all 22 layers and (after a dim first changes) every later (bucket, width), on one
-    evaluation before the capture.
+    the ODE (36 evaluations with CFG and the RK4 arithmetic) of one (bucket, width) is the
+    window's preparation and one RK4 interval graph (twice: DiTGraph) replayed for each of the 9
+    with its time step loaded before it, captured lazily into a shared memory pool; run back
+    to back, or in parts with other shapes' graphs between them (begin_job). By default the
+    DiT's step functions inside these graphs are inductor-compiled (code2wav_fast.
+    _compiled_steps): norms, modulation, rotary, activations and residuals fuse around the
+    GEMMs and attention, compiled once for all 22 layers and (after a dim first changes) every
+    later (bucket, width), on one evaluation before the capture.
   - BigVGAN: its convs pad at the sequence's ends, so padding would change the result. Spans of
     the standard length (chunk + both overlaps) and chunk 0's span run as graphs per (bucket,
     length); other spans (the utterance's last chunk, tiny utterances) run eagerly.
@@ -31,7 +32,7 @@ import torch
 
 from omnistage.engine.gen.graphs import BUCKETS, GraphCache, SegmentGraph, bucket_for
 
-from .code2wav_fast import DiTState, Qwen2_5OmniFastDiT
+from .code2wav_fast import DiTState, IntervalCursor, Qwen2_5OmniFastDiT
 from .code2wav_options import DIT_DTYPES, VOCODER_DTYPES
 from .code2wav_plan import (BESIDE_MIN_BUCKET, MAX_GRAPH_FRAMES, GraphKey, capture_plan,
                             vocoder_lengths, window_widths)
@@ -58,6 +59,34 @@ def _matmul_tf32(on: bool):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+class DiTGraph(SegmentGraph):
+    """A DiT shape's graphs: segments[0] prepares the window (g.state); segments[1] and [2]
+    are the same RK4 interval (the one whose time step `cursor` holds), captured twice so that
+    consecutive intervals alternate between them.
+
+    NOTE: one graph per interval (9 per shape) made the shapes' captures most of a start-up
+    (code2wav graphs 35.0 of a 51.9 s warm start on the H200; with these 13.0 of 28.8 s).
+    Two copies, so that an interval's launch never waits on its own graph's previous launch;
+    c32 with one copy ran at 74.5-76.4 audio-s/s, and with nine graphs at 76.7-81.5 on other
+    machines of the same kind: not one A/B, so not settled (benchmarks/results/
+    qwen2_5_omni_pipeline_gpu_h200_dit_interval_graphs_session23_issue24_2026-11-29.json)."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor], cursor: IntervalCursor) -> None:
+        super().__init__(inputs)
+        self.cursor = cursor
+
+    def run_interval(self, i: int) -> None:
+        """Queue interval i (the first prepares the window too) on the current stream."""
+        if i == 0:
+            self.segments[0].replay()
+        self.cursor.load(i)
+        self.segments[1 + i % 2].replay()
+
+    def replay(self) -> None:
+        for i in range(self.cursor.intervals):
+            self.run_interval(i)
+
+
 @dataclass
 class DecodeJob:
     """A decode run in parts (Qwen2_5OmniCode2WavDecoder.begin_job / advance / finish): the
@@ -67,7 +96,7 @@ class DecodeJob:
     config: Qwen2_5OmniCode2WavStreamConfig
     spans: list[Qwen2_5OmniCode2WavSpan]
     key: tuple[int, int, bool]  # (bucket, width, beside) of its DiT
-    graph: SegmentGraph | None  # graphed: the DiT graph holding the state
+    graph: DiTGraph | None  # graphed: the DiT graph holding the state
     state: DiTState | None = None  # eager: the ODE state
     done: int = 0  # RK4 intervals run
 
@@ -141,7 +170,7 @@ class Qwen2_5OmniCode2WavDecoder:
         self.speakers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.noises: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (bucket, width, beside) -> graph; beside: on the SMs free_sms leaves (see NOTE)
-        self.dit_graphs: dict[tuple[int, int, bool], SegmentGraph] = {}
+        self.dit_graphs: dict[tuple[int, int, bool], DiTGraph] = {}
         self.voc_graphs: dict[tuple[int, int], SegmentGraph] = {}
         # lazy warm-up (warmup(lazy=True)): graphs not captured yet run on a captured larger
         # bucket or eagerly, never captured inside a step; capture_next() takes them in order
@@ -252,20 +281,22 @@ class Qwen2_5OmniCode2WavDecoder:
             return self.fast.sample(*(buf[k] for k in DIT_INPUTS), compiled)
 
     # ------------------------------------------------------------------ graphs
-    def dit_graph(self, bucket: int, width: int, beside: bool = False) -> SegmentGraph:
+    def dit_graph(self, bucket: int, width: int, beside: bool = False) -> DiTGraph:
         """The DiT graph of (bucket, width), captured on first use (beside: the one on the SMs
         that free_sms leaves; the same as beside=False when free_sms is 0)."""
         key = self._key(bucket, width, beside)
         g = self.dit_graphs.get(key)
         if g is None:
-            g = SegmentGraph(self.new_dit_inputs(bucket, width))
+            g = DiTGraph(self.new_dit_inputs(bucket, width), IntervalCursor(self.fast))
             if self.compile:
                 self._compile_or_fall_back(g.inputs)
-            # one graph per RK4 interval (the first also prepares the window): a step can run
-            # in parts with other graphs between them (begin_job); back to back they cost the
-            # same as one graph (measured: benchmarks/results/code2wav_gpu_h100_overlap_*.json)
-            for i in range(len(self.fast.widths)):
-                graph, _ = self.graphs.capture(lambda i=i: self._dit_interval(g, i),
+            # the window's preparation, then one RK4 interval that reads its time step from
+            # g.cursor: a step can run in parts with other graphs between them (begin_job);
+            # back to back they cost the same as one graph (measured: benchmarks/results/
+            # code2wav_gpu_h100_overlap_*.json)
+            g.cursor.load(0)  # (the interval's warm-up run reads some interval's inputs)
+            for capture in (self._dit_begin, self._dit_interval, self._dit_interval):
+                graph, _ = self.graphs.capture(lambda capture=capture: capture(g),
                                                ("dit", bucket, width), key[2])
                 g.segments.append(graph)
             g.output = g.state.x
@@ -296,13 +327,17 @@ class Qwen2_5OmniCode2WavDecoder:
         return next(((b, length) for b in self.buckets
                      if b >= bucket and (b, length) in self.voc_graphs), None)
 
-    def _dit_interval(self, g: SegmentGraph, i: int) -> torch.Tensor:
-        # interval i of g's ODE; the first begins it (its captured run leaves g.state in the
-        # graph pool, where the later intervals' graphs read and write it)
+    def _dit_begin(self, g: DiTGraph) -> torch.Tensor:
+        # the captured run leaves g.state in the graph pool, where the interval graph reads
+        # and writes it
         with _matmul_tf32(self.tf32):
-            if i == 0:
-                g.state = self.fast.begin(*(g.inputs[k] for k in DIT_INPUTS))
-            return self.fast.interval(g.state, i, self.compile)
+            g.state = self.fast.begin(*(g.inputs[k] for k in DIT_INPUTS))
+        return g.state.x
+
+    def _dit_interval(self, g: DiTGraph) -> torch.Tensor:
+        # (no load here: the graph must read the cursor, not refill it)
+        with _matmul_tf32(self.tf32):
+            return self.fast.interval(g.state, 0, self.compile, g.cursor)
 
     def _compile_or_fall_back(self, inputs: dict[str, torch.Tensor]) -> None:
         # compile this shape before the capture; where inductor cannot build, the graphs stay
@@ -441,7 +476,7 @@ class Qwen2_5OmniCode2WavDecoder:
         with self._on_device():
             for i in range(job.done, min(total, job.done + max(1, intervals))):
                 if job.graph is not None:
-                    job.graph.segments[i].replay()
+                    job.graph.run_interval(i)
                 else:
                     with _matmul_tf32(self.tf32):
                         self.fast.interval(job.state, i)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omnistage.engine.gen import GenEngineConfig
-from omnistage.models.qwen2_5_omni.code2wav_fast import ode_times
+from omnistage.models.qwen2_5_omni.code2wav_fast import IntervalCursor, ode_times
 from omnistage.models.qwen2_5_omni.code2wav_graphs import (Qwen2_5OmniCode2WavDecoder, bucket_for,
                                                            vocoder_lengths, window_widths)
 from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, code2wav_worker
@@ -379,6 +379,29 @@ def test_compiled_steps_equal_eager(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert diff < 1e-5, diff
 
 
+def test_interval_cursor_equals_the_time_table(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # one interval reading an IntervalCursor loaded with interval i (what a DiT shape's one
+    # interval graph runs for every interval) equals interval i read from the time table, bit
+    # for bit, eagerly and compiled
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    stream = _stream(t2w, 1, 70)
+    fast, cursor = dec.fast, IntervalCursor(dec.fast)
+    assert cursor.intervals == len(fast.widths) == 9
+    with torch.inference_mode():
+        buf = dec.new_dit_inputs(3, 96)
+        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
+        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        for compiled in (False, True):
+            table, by_cursor = fast.begin(*args), fast.begin(*args)
+            for i in range(cursor.intervals):
+                fast.interval(table, i, compiled)
+                cursor.load(i)
+                fast.interval(by_cursor, 0, compiled, cursor)
+                assert torch.equal(table.x, by_cursor.x), (compiled, i)
+            assert table.x[:2].abs().max() > 1.0 and not table.x[2].any()
+            assert torch.equal(table.x, fast.sample(*args, compiled=compiled))
+
+
 def test_compiled_steps_reuse_code_across_shapes(t2w: Qwen2_5OmniToken2Wav) -> None:
     # automatic dynamic shapes: once the width and the batch have each changed, a new
     # (bucket, width) runs the code compiled already (no new dynamo frame) and still equals eager
@@ -429,6 +452,8 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     got = dec.decode(reqs)
     again = dec.decode(reqs)  # a replay
     assert dec.compile and dec.stats()["dit_graphs"] == 1, dec.stats()
+    # the window's preparation and one interval graph (twice) replayed for all 9 intervals
+    assert [len(g.segments) for g in dec.dit_graphs.values()] == [3]
     mel_diff, wav_diff = _max_diff(got, eager)
     print(f"compiled graphs vs eager (CUDA fp32): mel {mel_diff:.2e}, wave {wav_diff:.2e}")
     assert all(c.mel.abs().max() > 0.1 for c in eager)
