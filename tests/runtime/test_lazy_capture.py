@@ -53,18 +53,18 @@ def test_lazy_plan_captures_batch_one_and_the_largest_bucket_then_bucket_by_buck
     first, whole = first_window_width(CUDA_WINDOW, BLOCK), full_window_width(CUDA_WINDOW, BLOCK)
     assert (first, whole) == (48, 648)  # chunk 0's window; a later chunk's (2 + 24 + 1 blocks)
     voc = vocoder_lengths(CUDA_WINDOW, BLOCK)
-    # at load: what a first request needs at batch 1 (its first and later chunks, BigVGAN),
-    # then every graph of the largest bucket (a burst pads up to it), beside ones included
+    # at load: what a first request needs at batch 1 (its first, later and last chunks,
+    # BigVGAN), then every graph of the largest bucket (a burst pads up to it), beside ones
     top = BUCKETS[-1]
-    assert now[:4] == [("dit", 1, first, False), ("dit", 1, whole, False),
-                       *(("vocoder", 1, n) for n in voc)]
-    assert now[4:] == [k for k in full if k[1] == top]
+    assert now[:6] == [("dit", 1, first, False), ("dit", 1, whole, False),
+                       *(("vocoder", 1, n) for n in voc), ("dit", 1, 216, False),
+                       ("dit", 1, 360, False)]  # (the last chunks' quarter and half widths)
+    assert now[6:] == [k for k in full if k[1] == top]
     assert ("dit", top, whole, True) in now and ("dit", top, first, False) in now
-    assert not any(k[1] == top for k in later)
+    assert not any(k[1] in (1, top) for k in later)
     # nothing lost, nothing twice; later ones in bucket order, each bucket's main widths first
     assert sorted(now + later) == sorted(full) and not set(now) & set(later)
     assert [k[1] for k in later] == sorted(k[1] for k in later)
-    assert later[:2] == [("dit", 1, 216, False), ("dit", 1, 360, False)]  # last-chunk widths
     two = [k for k in later if k[1] == 2]
     assert two[:2] == [("dit", 2, first, False), ("dit", 2, whole, False)]
     assert not any(k[0] == "dit" and k[3] for k in later if k[1] < BESIDE_MIN_BUCKET)

@@ -268,9 +268,9 @@ class IntervalCursor:
     """One RK4 interval's time-dependent inputs in buffers of their own: every layer's
     modulation at its four evaluations, the output norm's and the step width. An interval run
     with the cursor (Qwen2_5OmniFastDiT.interval) reads only these, so one CUDA graph of it
-    runs interval i after load(i): a DiT shape costs two captures (the window's preparation and
-    one interval), not one per interval. A graph needs a cursor of its own (graphs of two
-    shapes may replay side by side)."""
+    runs interval i after load(i), and a DiT shape's captures do not grow with the intervals
+    (code2wav_graphs.DiTGraph). A graph needs a cursor of its own (graphs of two shapes may
+    replay side by side)."""
 
     def __init__(self, fast: Qwen2_5OmniFastDiT) -> None:
         self.fast = fast
