@@ -180,7 +180,12 @@ class ARStageWorker:
                 "kv_blocks": s["num_kv_blocks"], "busy_seconds": self.busy_seconds,
                 "steps": s["num_steps"], "ahead_steps": s["num_ahead_steps"],
                 "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
-                "preemptions": s["num_preemptions"]}
+                "preemptions": s["num_preemptions"], "captures_pending": self.captures_pending()}
+
+    def captures_pending(self) -> int:
+        """Decode graphs a lazy warm-up left for the idle passes (0: every one captured)."""
+        graphs = getattr(self.engine.runner, "graphs", None)
+        return graphs.pending_captures() if graphs is not None else 0
 
 
 class LinkAdapter(Protocol):

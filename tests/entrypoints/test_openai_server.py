@@ -279,6 +279,9 @@ def test_disconnect_aborts_every_stage_and_frees_kv(server):
         assert metric(after, "omnistage_stage_queue_depth", stage=s) == 0
     for s in ("thinker", "talker"):
         assert metric(after, "omnistage_stage_kv_blocks_free", stage=s) == total[s]
+    for s in ("thinker", "talker", "code2wav"):  # (the CPU has no graphs to leave)
+        key = ("omnistage_stage_graph_captures_pending", (("stage", s),))
+        assert key in after and after[key] == 0, s
     # and it was cut short: the thinker is far from its 1500 tokens
     assert metric(after, "omnistage_stage_generated_tokens_total", stage="thinker") < \
         metric(before, "omnistage_stage_generated_tokens_total", stage="thinker") + 1500

@@ -285,8 +285,10 @@ def test_one_capture_per_idle_call_and_none_while_a_step_is_pending(launch_threa
     model = _FakeCapturer(queue=["g1", "g2", "g3", "g4"])
     worker = _worker(model, launch_thread=launch_thread, preempt_parts=1)
     assert model.warmups == [(None, True)] and model.log == []
+    assert worker.stats()["captures_pending"] == 4  # (the server's gauge of that name)
     assert not worker.has_work()  # queued graphs are not work: steps never capture
     assert worker.idle_capture() and model.log == [("capture", "g1")]
+    assert worker.stats()["captures_pending"] == 3
     worker.submit("a", 2)
     worker.add_input("a", 1, False)  # a first output ready: not idle, no capture
     assert not worker.idle_capture()
@@ -302,7 +304,7 @@ def test_one_capture_per_idle_call_and_none_while_a_step_is_pending(launch_threa
     while worker.idle_capture():  # idle again: the rest, one graph per call
         pass
     assert [e[1] for e in model.log if e[0] == "capture"] == ["g1", "g2", "g3", "g4"]
-    assert worker.stats()["idle_captures"] == 4
+    assert worker.stats()["idle_captures"] == 4 and worker.stats()["captures_pending"] == 0
     # on the calling (runtime) thread, never the launcher: a compile traces the whole process
     assert model.capture_threads == {threading.current_thread().name}
 
@@ -601,10 +603,12 @@ def test_ar_stage_lazy_plan_captures_only_when_idle(monkeypatch):
     eng.add_request(Sequence("busy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2),
                              seed=0))
     assert not worker.idle_capture() and list(graphs.later) == [8]  # a sequence is unfinished
+    assert worker.stats()["captures_pending"] == 1
     while eng.has_unfinished():
         eng.step()
     assert worker.idle_capture() and not graphs.later and (8, False, False) in graphs.graphs
     assert not worker.idle_capture()  # nothing left
+    assert worker.stats()["captures_pending"] == 0
 
 
 def test_graph_warmup_plan_is_validated():

@@ -341,4 +341,4 @@ class GenStageWorker:
                 "shared_steps": self.shared_steps,
                 "alone_steps": self.alone_steps, "preempt_intervals": self.preempt,
                 "busy_seconds": self.busy_seconds, "idle_captures": self.idle_captures,
-                **self.model.stats()}
+                **self.model.stats(), "captures_pending": self.captures_pending()}

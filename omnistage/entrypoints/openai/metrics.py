@@ -29,6 +29,8 @@ _STAGE_GAUGES = {
     "batch_size": ("omnistage_stage_batch_size", "Requests in the stage's last step"),
     "free_kv_blocks": ("omnistage_stage_kv_blocks_free", "Free KV cache blocks"),
     "kv_blocks": ("omnistage_stage_kv_blocks_total", "KV cache blocks"),
+    "captures_pending": ("omnistage_stage_graph_captures_pending", "CUDA graphs a lazy warm-up "
+                         "(--warmup-plan lazy) left to capture while the runtime is idle"),
 }
 _STAGE_COUNTERS = {
     "busy_seconds": ("omnistage_stage_busy_seconds", "Seconds the stage spent stepping"),
