@@ -368,14 +368,8 @@ def stage_stats(llm: AsyncOmniLLM) -> dict:
 
 def pending_captures(llm: AsyncOmniLLM) -> dict[str, int]:
     """Graphs a lazy warm-up plan has left per in-process stage (captured in idle passes)."""
-    out = {}
-    for name, w in llm.pipeline.workers.items():
-        if hasattr(w, "captures_pending"):  # gen stages (code2wav)
-            out[name] = w.captures_pending()
-        elif getattr(getattr(w, "engine", None), "runner", None) is not None:
-            graphs = w.engine.runner.graphs
-            out[name] = graphs.pending_captures() if graphs is not None else 0
-    return out
+    return {name: w.captures_pending() for name, w in llm.pipeline.workers.items()
+            if hasattr(w, "captures_pending")}  # (AR and gen stage workers)
 
 
 async def settle_captures(llm: AsyncOmniLLM, limit_s: float = 300.0) -> float:

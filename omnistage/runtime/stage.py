@@ -184,8 +184,7 @@ class ARStageWorker:
 
     def captures_pending(self) -> int:
         """Decode graphs a lazy warm-up left for the idle passes (0: every one captured)."""
-        graphs = getattr(self.engine.runner, "graphs", None)
-        return graphs.pending_captures() if graphs is not None else 0
+        return self.engine.runner.pending_captures()
 
 
 class LinkAdapter(Protocol):

@@ -122,10 +122,14 @@ class ModelRunner:
         self.graphs = self.prefill_graphs = None
         gc.collect()  # (a graph in a reference cycle would otherwise outlive the group)
 
+    def pending_captures(self) -> int:
+        """Decode batch sizes a lazy warm-up left for idle_capture (0: all captured)."""
+        return 0 if self.graphs is None else self.graphs.pending_captures()
+
     def idle_capture(self) -> bool:
         """One decode batch size a lazy warm-up queued, captured now (True) if any is left.
         The caller makes sure nothing runs (no step in flight anywhere: runtime idle pass)."""
-        if self.graphs is None or not self.graphs.pending_captures():
+        if not self.pending_captures():
             return False
         return self.graphs.capture_next() is not None
 

@@ -12,7 +12,8 @@ ODE state hoisted out of the 36 evaluations:
     blocks a layer's mask lets each query see (dit_attention_triton.py), and the first feed-forward
     GEMM applies its GELU in the GEMM's epilogue (cuBLASLt, via torch._addmm_activation).
 It reads its inputs only from tensors and does no host synchronisation, so one call can be
-captured in a CUDA graph. The ODE state stays float32 whatever the DiT's compute dtype.
+captured in a CUDA graph (DiTGraph: one interval graph serves all the intervals, its time step
+loaded into an IntervalCursor). The ODE state stays float32 whatever the DiT's compute dtype.
 The DiT runs as three pure step functions (input, layer, output; see the NOTE below them), run
 eagerly or, with `compiled=True`, through torch.compile (inductor; shapes: _compiled_steps) so
 that the norms, modulation, rotary, activations and residuals fuse around the GEMMs and attention.
@@ -26,6 +27,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from omnistage.engine.gen.graphs import SegmentGraph
 
 from .code2wav_options import DIT_ATTENTIONS as ATTENTIONS
 from .token2wav_dit import Qwen2_5OmniToken2WavDiT, qwen2_5_omni_dit_attention_mask
@@ -287,6 +290,34 @@ class IntervalCursor:
         """Interval i's inputs (two device copies, queued on the current stream)."""
         self.params.copy_(self.fast.interval_table[i], non_blocking=True)
         self.width.copy_(self.fast.interval_widths[i:i + 1], non_blocking=True)
+
+
+class DiTGraph(SegmentGraph):
+    """A DiT shape's graphs: segments[0] prepares the window (g.state); segments[1] and [2]
+    are the same RK4 interval (the one whose time step `cursor` holds), captured twice so that
+    consecutive intervals alternate between them.
+
+    NOTE: one graph per interval (9 per shape) made the shapes' captures most of a start-up
+    (code2wav graphs 35.0 of a 51.9 s warm start on the H200; with these 13.0 of 28.8 s).
+    Two copies, so that an interval's launch never waits on its own graph's previous launch;
+    c32 with one copy ran at 74.5-76.4 audio-s/s, and with nine graphs at 76.7-81.5 on other
+    machines of the same kind: not one A/B, so not settled (benchmarks/results/
+    qwen2_5_omni_pipeline_gpu_h200_dit_interval_graphs_session23_issue24_2026-11-29.json)."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor], cursor: IntervalCursor) -> None:
+        super().__init__(inputs)
+        self.cursor = cursor
+
+    def run_interval(self, i: int) -> None:
+        """Queue interval i (the first prepares the window too) on the current stream."""
+        if i == 0:
+            self.segments[0].replay()
+        self.cursor.load(i)
+        self.segments[1 + i % 2].replay()
+
+    def replay(self) -> None:
+        for i in range(self.cursor.intervals):
+            self.run_interval(i)
 
 
 # ---------------------------------------------------------------- the DiT's step functions

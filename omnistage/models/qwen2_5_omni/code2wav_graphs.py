@@ -32,7 +32,7 @@ import torch
 
 from omnistage.engine.gen.graphs import BUCKETS, GraphCache, SegmentGraph, bucket_for
 
-from .code2wav_fast import DiTState, IntervalCursor, Qwen2_5OmniFastDiT
+from .code2wav_fast import DiTGraph, DiTState, IntervalCursor, Qwen2_5OmniFastDiT
 from .code2wav_options import DIT_DTYPES, VOCODER_DTYPES
 from .code2wav_plan import (BESIDE_MIN_BUCKET, MAX_GRAPH_FRAMES, GraphKey, capture_plan,
                             vocoder_lengths, window_widths)
@@ -57,34 +57,6 @@ def _matmul_tf32(on: bool):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-
-
-class DiTGraph(SegmentGraph):
-    """A DiT shape's graphs: segments[0] prepares the window (g.state); segments[1] and [2]
-    are the same RK4 interval (the one whose time step `cursor` holds), captured twice so that
-    consecutive intervals alternate between them.
-
-    NOTE: one graph per interval (9 per shape) made the shapes' captures most of a start-up
-    (code2wav graphs 35.0 of a 51.9 s warm start on the H200; with these 13.0 of 28.8 s).
-    Two copies, so that an interval's launch never waits on its own graph's previous launch;
-    c32 with one copy ran at 74.5-76.4 audio-s/s, and with nine graphs at 76.7-81.5 on other
-    machines of the same kind: not one A/B, so not settled (benchmarks/results/
-    qwen2_5_omni_pipeline_gpu_h200_dit_interval_graphs_session23_issue24_2026-11-29.json)."""
-
-    def __init__(self, inputs: dict[str, torch.Tensor], cursor: IntervalCursor) -> None:
-        super().__init__(inputs)
-        self.cursor = cursor
-
-    def run_interval(self, i: int) -> None:
-        """Queue interval i (the first prepares the window too) on the current stream."""
-        if i == 0:
-            self.segments[0].replay()
-        self.cursor.load(i)
-        self.segments[1 + i % 2].replay()
-
-    def replay(self) -> None:
-        for i in range(self.cursor.intervals):
-            self.run_interval(i)
 
 
 @dataclass
