@@ -34,6 +34,13 @@ class RuntimeShutDown(RuntimeError):
     """The runtime was shut down before this request could be prepared or run."""
 
 
+def check_request_id(request_id: str | None) -> None:
+    if request_id is not None and (not isinstance(request_id, str)
+                                   or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS):
+        raise ValueError(f"request_id: must be a string of 1..{MAX_REQUEST_ID_CHARS} "
+                         "characters")
+
+
 class _Mailbox:
     """Outputs from the runtime's thread to one event loop. post() appends (any thread); the
     first post after a flush schedules one flush on the loop, which hands every output to its
@@ -117,15 +124,12 @@ class AsyncOmniLLM(OmniBase):
         """Validate and build one request on the preparation pool. Raises ValueError (naming the
         field) for a bad prompt or parameter, RuntimeShutDown after shutdown(); nothing reaches
         the runtime until run()."""
-        if request_id is not None and (not isinstance(request_id, str)
-                                       or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS):
-            raise ValueError(f"request_id: must be a string of 1..{MAX_REQUEST_ID_CHARS} "
-                             "characters")
+        check_request_id(request_id)
         with self._preparing_lock:
             self._preparing += 1
         try:
-            job = self._prepare_pool.submit(self._prepare, [prompt], sampling_params,
-                                            output_modalities)
+            job = self._prepare_pool.submit(self.prepare_now, prompt, sampling_params,
+                                            output_modalities, request_id)
         except RuntimeError as e:  # the pool is shut down
             with self._preparing_lock:
                 self._preparing -= 1
@@ -133,13 +137,19 @@ class AsyncOmniLLM(OmniBase):
         # counted until the thread is done, even when the caller stops waiting
         job.add_done_callback(self._prepare_done)
         try:
-            req = (await asyncio.wrap_future(job))[0]
+            return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if job.cancelled() and task is not None and not task.cancelling():
                 # shutdown() dropped it from the pool's queue; the caller was not cancelled
                 raise RuntimeShutDown("the omnistage runtime was shut down") from None
             raise
+
+    def prepare_now(self, prompt: Any, sampling_params: Any = None,
+                    output_modalities: list[str] | None = None,
+                    request_id: str | None = None) -> RuntimeRequest:
+        """prepare()'s work, on the calling thread (a preparation pool's)."""
+        req = self._prepare([prompt], sampling_params, output_modalities)[0]
         if request_id is not None:
             req.request_id = request_id
             for stage_req in req.stage_requests.values():

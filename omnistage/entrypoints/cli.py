@@ -192,14 +192,22 @@ def _ray_address(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _engine_process(args) -> bool:
+    """--engine-process: on, off, or auto (on when the engine's device is CUDA)."""
+    if args.engine_process != "auto":
+        return args.engine_process == "on"
+    from omnistage.runtime.build import resolve_device
+    return resolve_device(args.device).type == "cuda"
+
+
 def cmd_serve(args) -> int:
     from omnistage.entrypoints.async_llm import AsyncOmniLLM
+    from omnistage.entrypoints.engine_process import LOG_FORMAT, EngineClient
     from omnistage.entrypoints.openai.server import run_server
     from omnistage.entrypoints.openai.serving import ServerConfig
 
     args.log_level = args.log_level or env.log_level("info")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     names = args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
     config = ServerConfig(
         served_model_names=names, api_key=args.api_key or env.api_key(),
@@ -214,8 +222,12 @@ def cmd_serve(args) -> int:
             "serving the embedded tiny random %s %r (noise, for trying out)", family, model)
         model = str(build())
     ray = {"ray_address": args.ray_address} if args.ray_address else {}
-    llm = AsyncOmniLLM(model, request_timeout=args.request_timeout,
-                       prepare_workers=args.prepare_workers, **_engine_kwargs(args), **ray)
+    options = dict(request_timeout=args.request_timeout, prepare_workers=args.prepare_workers,
+                   **_engine_kwargs(args), **ray)
+    if _engine_process(args):
+        llm = EngineClient(model, log_level=args.log_level, **options)
+    else:
+        llm = AsyncOmniLLM(model, **options)
     if args.warmup:  # before /health answers: the first request runs as fast as the next
         llm.warmup()
     run_server(llm, config, args.host, args.port, log_level=args.log_level,
@@ -264,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default=None, choices=list(env.LOG_LEVELS),
                    help="default: $OMNISTAGE_LOG_LEVEL, else info")
     s.add_argument("--access-log", action="store_true")
+    s.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
+                   help="run the engine (every stage and the runtime loop) in a process of its "
+                   "own, so HTTP and SSE never take its interpreter: auto = on for a CUDA "
+                   "device, off on the CPU (one process less on small machines)")
     s.add_argument("--ray-address", type=_ray_address, default=None, metavar="ADDR",
                    help="place the stages as Ray actors on the cluster at ADDR (HOST:PORT of "
                    "its head, or 'auto': the one on this machine); each stage's YAML "
