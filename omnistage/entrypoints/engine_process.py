@@ -115,6 +115,7 @@ class RuntimeSnapshot:
     stage_errors: dict[str, int] = field(default_factory=dict)
     unit_errors: dict[str, int] = field(default_factory=dict)
     num_active: int = 0
+    prepared: int = 0  # prepared requests the engine holds for a run() not called yet
 
 
 @dataclass
@@ -271,7 +272,9 @@ class _EngineServer:
         elif isinstance(msg, AbortCall):
             llm.runtime.abort(msg.request_id, msg.reason)
         elif isinstance(msg, StatsCall):
-            self.send(Reply(msg.call, snapshot(llm.runtime)))
+            with self.prepared_lock:
+                prepared = len(self.prepared)
+            self.send(Reply(msg.call, snapshot(llm.runtime, prepared)))
         elif isinstance(msg, WarmupCall):
             self._answer(msg.call, llm.warmup)
         elif isinstance(msg, SetProcessorOption):
@@ -306,10 +309,10 @@ class _EngineServer:
         self.send(Reply(msg.call, Prepared(req.request_id, list(req.prompt_token_ids))))
 
 
-def snapshot(runtime) -> RuntimeSnapshot:
+def snapshot(runtime, prepared: int) -> RuntimeSnapshot:
     return RuntimeSnapshot(runtime.alive, runtime.stats(), runtime.replica_stats(),
                            dict(runtime.stage_errors), dict(runtime.unit_errors),
-                           runtime.num_active())
+                           runtime.num_active(), prepared)
 
 
 def engine_main(conn: Connection, model: str, options: dict[str, Any], log_level: str) -> None:
@@ -421,6 +424,9 @@ class _RuntimeView:
     def num_active(self) -> int:
         return self._last.num_active
 
+    def prepared(self) -> int:
+        return self._last.prepared
+
 
 class EngineClient:
     """AsyncOmniLLM's serving surface over an engine process (module docstring)."""
@@ -434,6 +440,7 @@ class EngineClient:
                                     name="omnistage-engine")
         t0 = time.perf_counter()
         self._process.start()
+        log.info("engine process %d: starting", self._process.pid)
         child.close()  # (only the engine holds that end: its exit closes the pipe here)
         front = self._wait_ready(start_timeout)
         self.startup_seconds = dict(front.startup_seconds)

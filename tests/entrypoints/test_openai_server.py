@@ -26,10 +26,23 @@ TALKER_CAP = {"stage_sampling_params": {"talker": {"max_tokens": 60}}}
 MESSAGES = [{"role": "user", "content": "Say something nice."}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_omni_dir, tmp_path_factory):
-    with running_server(tiny_omni_dir, tmp_path_factory.mktemp("srv") / "server.log") as srv:
+# every test runs against both engine placements: in the server's process (the CPU's default)
+# and in an engine process of its own (--engine-process, the default on CUDA)
+@pytest.fixture(scope="module", params=["off", "on"], ids=["inprocess", "engine_process"])
+def server(request, tiny_omni_dir, tmp_path_factory):
+    with running_server(tiny_omni_dir, tmp_path_factory.mktemp("srv") / "server.log",
+                        "--engine-process", request.param) as srv:
+        srv.engine_process = request.param == "on"
         yield srv
+
+
+def test_engine_placement(server):
+    """The engine process is really used when asked for (its start-up phase is reported) and
+    not otherwise."""
+    phases = {dict(labels)["phase"] for (name, labels) in scrape(server.url)
+              if name == "omnistage_startup_seconds"}
+    assert {"total", "thinker", "runtime"} <= phases
+    assert ("engine_process" in phases) == server.engine_process
 
 
 @pytest.fixture(scope="module")

@@ -75,9 +75,12 @@ class _Client(threading.Thread):
             self.started.set()
 
 
-def test_sigterm_ends_streams_that_outlive_the_drain(tiny_omni_dir, slow_pipeline, tmp_path):
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_sigterm_ends_streams_that_outlive_the_drain(tiny_omni_dir, slow_pipeline, tmp_path,
+                                                     engine_process):
     srv = ServerProcess(tiny_omni_dir, tmp_path / "server.log", "--pipeline", str(slow_pipeline),
-                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                        "--engine-process", engine_process)
     try:
         srv.wait_ready()
         streams = [
