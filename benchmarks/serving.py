@@ -169,6 +169,14 @@ def scrape_histograms(url: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def startup_phases(url: str) -> dict[str, float]:
+    """The server's omnistage_startup_seconds gauge: seconds per start-up phase."""
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    return {sample.labels["phase"]: sample.value
+            for fam in text_string_to_metric_families(text)
+            if fam.name == "omnistage_startup_seconds" for sample in fam.samples}
+
+
 def run_server_side(args) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -191,6 +199,9 @@ def run_server_side(args) -> dict:
                 raise RuntimeError(f"server not up after {args.startup_timeout} s")
             time.sleep(0.2)
         result: dict = {"startup_to_health_s": round(time.perf_counter() - t0, 2)}
+        result["startup_phases"] = startup_phases(url)
+        # (serve --engine-process: reported as a start-up phase of its own when on)
+        result["engine_process"] = "engine_process" in result["startup_phases"]
 
         cfg = bench_config(args, url)
 

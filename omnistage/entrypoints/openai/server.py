@@ -238,7 +238,11 @@ def _mib(n: float) -> str:
 
 
 def log_placement(llm) -> None:
-    """One line per stage: device, dtype, weight and KV cache memory; then process memory."""
+    """One line per stage: device, dtype, weight and KV cache memory; then process memory.
+    Nothing for an engine in a process of its own (it logs its own lines there; here a CUDA
+    query would make this process a CUDA context it does not need)."""
+    if not llm.pipeline.workers:
+        return
     for name, worker in llm.pipeline.workers.items():
         engine = getattr(worker, "engine", None)
         model = engine.runner.model if engine is not None else getattr(worker, "model", None)
