@@ -131,7 +131,7 @@ def start_py_spy(args, side: str, pid: int) -> tuple[subprocess.Popen, str] | No
         return None
     out = f"{args.py_spy}_{side}.txt"
     cmd = [args.py_spy_exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
-           "--nonblocking", "--rate", "200", "--output", out]
+           "--nonblocking", "--rate", "200", "--subprocesses", "--output", out]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True), out
 

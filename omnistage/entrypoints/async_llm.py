@@ -5,7 +5,7 @@ Request preparation (validation, tokenising, media decoding) runs on a small thr
 own, never on the caller's event loop: one large video must not stall /health or other streams.
 
 Outputs cross from the runtime's thread to the caller's event loop through one mailbox per loop
-(_Mailbox): a runtime pass that emits outputs for 32 streams wakes the loop once, not 32 times,
+(Mailbox): a runtime pass that emits outputs for 32 streams wakes the loop once, not 32 times,
 so the loop (SSE encoding, HTTP) takes less of the interpreter from the runtime thread."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def check_request_id(request_id: str | None) -> None:
                          "characters")
 
 
-class _Mailbox:
+class Mailbox:
     """Outputs from the runtime's thread to one event loop. post() appends (any thread); the
     first post after a flush schedules one flush on the loop, which hands every output to its
     request's queue in the order posted."""
@@ -102,11 +102,11 @@ class AsyncOmniLLM(OmniBase):
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.warmed_prepare_threads: set[int] = set()  # warmup(): the threads that prepared
 
-    def mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         """The mailbox that carries outputs to `loop` (made on first use)."""
         box = self._mailboxes.get(loop)
         if box is None:
-            box = self._mailboxes[loop] = _Mailbox(loop)
+            box = self._mailboxes[loop] = Mailbox(loop)
         return box
 
     @property

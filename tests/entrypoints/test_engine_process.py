@@ -23,7 +23,7 @@ import pytest
 
 from omnistage import SamplingParams
 from omnistage.entrypoints.async_llm import AsyncOmniLLM, RuntimeShutDown
-from omnistage.entrypoints.engine_process import EngineClient
+from omnistage.entrypoints.engine_client import EngineClient
 from tests.entrypoints.server_utils import MODEL_NAME, ServerProcess
 
 OPTIONS = {"device": "cpu", "max_model_len": 2048, "num_kv_blocks": 512}
@@ -128,7 +128,7 @@ def test_a_failed_start_is_raised(tmp_path):
 
 
 def test_a_dead_engine_ends_streams_and_health(tiny_omni_dir, tmp_path):
-    srv = ServerProcess(tiny_omni_dir, tmp_path / "server.log", "--engine-process", "on")
+    srv = ServerProcess(tiny_omni_dir, tmp_path / "server.log", "--engine-process")
     try:
         srv.wait_ready()
         pid = int(re.search(r"engine process (\d+): starting", srv.log()).group(1))

@@ -27,11 +27,12 @@ MESSAGES = [{"role": "user", "content": "Say something nice."}]
 
 
 # every test runs against both engine placements: in the server's process (the CPU's default)
-# and in an engine process of its own (--engine-process, the default on CUDA)
+# and in an engine process of its own (--engine-process)
 @pytest.fixture(scope="module", params=["off", "on"], ids=["inprocess", "engine_process"])
 def server(request, tiny_omni_dir, tmp_path_factory):
+    engine = ["--engine-process"] if request.param == "on" else []
     with running_server(tiny_omni_dir, tmp_path_factory.mktemp("srv") / "server.log",
-                        "--engine-process", request.param) as srv:
+                        *engine) as srv:
         srv.engine_process = request.param == "on"
         yield srv
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from omnistage import AsyncOmniLLM
-from omnistage.entrypoints.async_llm import _Mailbox
+from omnistage.entrypoints.async_llm import Mailbox
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.server import build_app, warm_up_http
 from omnistage.entrypoints.openai.serving import RequestStream, RequestTimeline, ServerConfig
@@ -29,7 +29,7 @@ NAME = "tiny-omni"
 # ------------------------------------------------------------------ the mailbox
 def test_mailbox_wakes_the_loop_once_per_batch_in_order():
     async def go() -> None:
-        box = _Mailbox(asyncio.get_running_loop())
+        box = Mailbox(asyncio.get_running_loop())
         queues: list[asyncio.Queue] = [asyncio.Queue(), asyncio.Queue()]
         for i in range(10):  # one runtime pass: outputs for two requests, interleaved
             box.post(queues[i % 2], OmniRequestOutput(f"r{i % 2}", text_delta=str(i)))
@@ -48,7 +48,7 @@ def test_mailbox_wakes_the_loop_once_per_batch_in_order():
 
 def test_mailbox_from_another_thread_keeps_every_output_in_order():
     async def go() -> None:
-        box = _Mailbox(asyncio.get_running_loop())
+        box = Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         n = 500
         poster = threading.Thread(target=lambda: [
@@ -64,7 +64,7 @@ def test_mailbox_from_another_thread_keeps_every_output_in_order():
 
 def test_mailbox_of_a_closed_loop_drops_the_output():
     loop = asyncio.new_event_loop()
-    box = _Mailbox(loop)
+    box = Mailbox(loop)
     queue: asyncio.Queue = asyncio.Queue()
     loop.close()
     box.post(queue, OmniRequestOutput("r", finished=True))  # logged, not raised

@@ -80,7 +80,7 @@ def test_sigterm_ends_streams_that_outlive_the_drain(tiny_omni_dir, slow_pipelin
                                                      engine_process):
     srv = ServerProcess(tiny_omni_dir, tmp_path / "server.log", "--pipeline", str(slow_pipeline),
                         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-                        "--engine-process", engine_process)
+                        *(["--engine-process"] if engine_process == "on" else []))
     try:
         srv.wait_ready()
         streams = [
