@@ -16,8 +16,9 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from omnistage.entrypoints.base import OmniBase
@@ -32,6 +33,21 @@ log = logging.getLogger("omnistage.runtime")
 
 class RuntimeShutDown(RuntimeError):
     """The runtime was shut down before this request could be prepared or run."""
+
+
+async def outputs_until_finished(queue: asyncio.Queue, abandon: Callable[[], None]
+                                 ) -> AsyncIterator[OmniRequestOutput]:
+    """A request's outputs from its queue up to the finished one; abandon() (abort it) when
+    the consumer stops first (went away or was cancelled)."""
+    finished = False
+    try:
+        while not finished:
+            out = await queue.get()
+            finished = out.finished
+            yield out
+    finally:
+        if not finished:
+            abandon()
 
 
 def check_request_id(request_id: str | None) -> None:
@@ -162,15 +178,10 @@ class AsyncOmniLLM(OmniBase):
         queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
         box = self.mailbox(asyncio.get_running_loop())
         self.runtime.submit(req, lambda out: box.post(queue, out))  # (on the runtime's thread)
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
+        abandon = partial(self.runtime.abort, req.request_id, "request cancelled")
+        async with contextlib.aclosing(outputs_until_finished(queue, abandon)) as outputs:
+            async for out in outputs:
                 yield out
-        finally:
-            if not finished:  # consumer went away or was cancelled
-                self.runtime.abort(req.request_id, "request cancelled")
 
     async def generate(self, prompt: Any, sampling_params: Any = None,
                        output_modalities: list[str] | None = None,

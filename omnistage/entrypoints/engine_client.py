@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -16,7 +17,8 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-from omnistage.entrypoints.async_llm import RuntimeShutDown, Mailbox, check_request_id
+from omnistage.entrypoints.async_llm import (Mailbox, RuntimeShutDown, check_request_id,
+                                             outputs_until_finished)
 from omnistage.entrypoints.base import WARMUP_TIMEOUT_S
 from omnistage.entrypoints.engine_process import (
     CALL_TIMEOUT_S, PROCESSOR_OPTIONS, START_TIMEOUT_S, STOP_TIMEOUT_S, AbortCall, DropCall,
@@ -310,17 +312,15 @@ class EngineClient:
                                               error=f"the omnistage engine is gone ({dead})"))
         else:
             self._send_quietly(RunCall(req.handle))  # (a lost engine ends the stream: _gone)
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
+
+        def abandon() -> None:
+            with self._lock:
+                self._running.pop(req.handle, None)
+            self._send_quietly(AbortCall(req.request_id, "request cancelled"))
+
+        async with contextlib.aclosing(outputs_until_finished(queue, abandon)) as outputs:
+            async for out in outputs:
                 yield out
-        finally:
-            if not finished:  # consumer went away or was cancelled
-                with self._lock:
-                    self._running.pop(req.handle, None)
-                self._send_quietly(AbortCall(req.request_id, "request cancelled"))
 
     async def abort(self, request_id: str) -> None:
         self._send_quietly(AbortCall(request_id, "request aborted"))
