@@ -243,11 +243,11 @@ class _EngineServer:
                         return "the runtime stopped"
                     continue
                 msg = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
+                if isinstance(msg, ShutdownCall):
+                    return "shutdown"
+                self.handle(msg)
+            except (EOFError, OSError):  # (a reply's send too)
                 return "the server's end of the pipe closed"
-            if isinstance(msg, ShutdownCall):
-                return "shutdown"
-            self.handle(msg)
 
     def handle(self, msg: Any) -> None:
         llm = self.llm
@@ -302,11 +302,16 @@ class _EngineServer:
         except Exception as e:  # noqa: BLE001 - ValueError is the client's 400; others its 500
             if not isinstance(e, ValueError):
                 log.exception("engine: preparing a request failed")
-            self.send(Reply(msg.call, error=(type(e).__name__, str(e))))
-            return
-        with self.prepared_lock:
-            self.prepared[msg.handle] = req
-        self.send(Reply(msg.call, Prepared(req.request_id, list(req.prompt_token_ids))))
+            reply = Reply(msg.call, error=(type(e).__name__, str(e)))
+        else:
+            with self.prepared_lock:
+                self.prepared[msg.handle] = req
+            reply = Reply(msg.call, Prepared(req.request_id, list(req.prompt_token_ids)))
+        try:
+            self.send(reply)
+        except OSError as e:  # the server is gone (the main thread stops the engine)
+            log.warning("engine: a preparation's answer not sent, the server's pipe is closed "
+                        "(%s)", e)
 
 
 def snapshot(runtime, prepared: int) -> RuntimeSnapshot:
