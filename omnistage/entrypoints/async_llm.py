@@ -101,6 +101,15 @@ class Mailbox:
             queue.put_nowait(out)
 
 
+def loop_mailbox(mailboxes: weakref.WeakKeyDictionary, loop: asyncio.AbstractEventLoop
+                 ) -> Mailbox:
+    """`loop`'s mailbox in `mailboxes` (one per event loop, keyed weakly; made on first use)."""
+    box = mailboxes.get(loop)
+    if box is None:
+        box = mailboxes[loop] = Mailbox(loop)
+    return box
+
+
 class AsyncOmniLLM(OmniBase):
     def __init__(self, model: str, *args: Any, prepare_workers: int = DEFAULT_PREPARE_WORKERS,
                  **kwargs: Any) -> None:
@@ -120,10 +129,7 @@ class AsyncOmniLLM(OmniBase):
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         """The mailbox that carries outputs to `loop` (made on first use)."""
-        box = self._mailboxes.get(loop)
-        if box is None:
-            box = self._mailboxes[loop] = Mailbox(loop)
-        return box
+        return loop_mailbox(self._mailboxes, loop)
 
     @property
     def preparing(self) -> int:

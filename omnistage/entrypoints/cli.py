@@ -194,7 +194,6 @@ def _ray_address(value: str) -> str:
 
 def cmd_serve(args) -> int:
     from omnistage.entrypoints.async_llm import AsyncOmniLLM
-    from omnistage.entrypoints.engine_client import EngineClient
     from omnistage.entrypoints.engine_process import LOG_FORMAT
     from omnistage.entrypoints.openai.server import run_server
     from omnistage.entrypoints.openai.serving import ServerConfig
@@ -218,6 +217,7 @@ def cmd_serve(args) -> int:
     options = dict(request_timeout=args.request_timeout, prepare_workers=args.prepare_workers,
                    **_engine_kwargs(args), **ray)
     if args.engine_process:
+        from omnistage.entrypoints.engine_client import EngineClient
         llm = EngineClient(model, log_level=args.log_level, **options)
     else:
         llm = AsyncOmniLLM(model, **options)

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from omnistage.entrypoints.async_llm import (Mailbox, RuntimeShutDown, check_request_id,
-                                             outputs_until_finished)
+                                             loop_mailbox, outputs_until_finished)
 from omnistage.entrypoints.base import WARMUP_TIMEOUT_S
 from omnistage.entrypoints.engine_process import (
     CALL_TIMEOUT_S, PROCESSOR_OPTIONS, START_TIMEOUT_S, STOP_TIMEOUT_S, AbortCall, DropCall,
@@ -28,6 +28,7 @@ from omnistage.entrypoints.engine_process import (
 from omnistage.outputs import OmniRequestOutput
 
 log = logging.getLogger("omnistage.engine")
+
 
 class EngineRequest:
     """A request prepared in the engine process (prepare()'s handle for run())."""
@@ -180,10 +181,7 @@ class EngineClient:
         return self._preparing
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
-        box = self._mailboxes.get(loop)
-        if box is None:
-            box = self._mailboxes[loop] = Mailbox(loop)
-        return box
+        return loop_mailbox(self._mailboxes, loop)
 
     # ------------------------------------------------------------------ messages
     def _send(self, msg: Any) -> None:
@@ -337,6 +335,7 @@ class EngineClient:
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)  # (and the client may be collected)
         if self._dead is None:
             self._send_quietly(ShutdownCall())
         self._reader.join(STOP_TIMEOUT_S)
@@ -350,9 +349,3 @@ class EngineClient:
     def _kill(self) -> None:
         self._process.kill()
         self._process.join(STOP_TIMEOUT_S)
-
-    def __del__(self) -> None:
-        process = getattr(self, "_process", None)
-        if process is not None and process.is_alive() and hasattr(self, "_reader"):
-            self.shutdown()
-

@@ -246,8 +246,8 @@ class _EngineServer:
                 if isinstance(msg, ShutdownCall):
                     return "shutdown"
                 self.handle(msg)
-            except (EOFError, OSError):  # (a reply's send too)
-                return "the server's end of the pipe closed"
+            except (EOFError, OSError) as e:  # (a reply's send too)
+                return f"the server's end of the pipe closed ({type(e).__name__})"
 
     def handle(self, msg: Any) -> None:
         llm = self.llm
@@ -346,5 +346,5 @@ def engine_main(conn: Connection, model: str, options: dict[str, Any], log_level
         server.outbox.close(STOP_TIMEOUT_S)  # ...which reach the server before Stopped
         try:
             server.send(Stopped(reason))
-        except OSError:
-            pass  # (the server is gone: nobody to tell)
+        except OSError as e:  # the server is gone: nobody to tell
+            log.info("engine: stopped, the server's pipe is closed (%s)", e)
