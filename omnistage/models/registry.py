@@ -26,6 +26,9 @@ class StageBuilder:
     # build(runtime.build.StageContext) -> a StageWorker (runs here or in a stage process)
     build: Callable[[Any], Any]
     sample_rate: int | None = None  # of the audio it emits (a stage with `output: audio`)
+    # kernels_ahead(StageContext) -> [engine.kernels_ahead.KernelJob]: Triton kernel variants
+    # its build will launch, compiled in processes of their own while earlier stages load
+    kernels_ahead: Callable[[Any], list] | None = None
 
 
 STAGE_BUILDERS: dict[str, StageBuilder] = {}
@@ -47,14 +50,16 @@ def register_adapter(name: str) -> Callable[[type], type]:
     return wrap
 
 
-def register_stage(model: str, kind: str, sample_rate: int | None = None
+def register_stage(model: str, kind: str, sample_rate: int | None = None,
+                   kernels_ahead: Callable[[Any], list] | None = None
                    ) -> Callable[[Callable], Callable]:
-    """A stage builder under a YAML `model` name: `build(ctx: StageContext) -> StageWorker`."""
+    """A stage builder under a YAML `model` name: `build(ctx: StageContext) -> StageWorker`
+    (kernels_ahead: StageBuilder's)."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"kind: {kind!r}; one of {ENGINE_KINDS}")
 
     def wrap(build: Callable) -> Callable:
-        STAGE_BUILDERS[model] = StageBuilder(kind, build, sample_rate)
+        STAGE_BUILDERS[model] = StageBuilder(kind, build, sample_rate, kernels_ahead)
         return build
     return wrap
 

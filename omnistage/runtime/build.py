@@ -17,6 +17,7 @@ from omnistage.config.schema import (MAX_STAGE_DEVICES, EngineOptions, PipelineC
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
 from omnistage.engine.ar.tp_workers import start_workers
+from omnistage.engine.kernels_ahead import KernelsAhead, cuda_target
 from omnistage.layers.parallel import current_tp, tensor_parallel
 from omnistage.layers.symm_all_reduce import check_mode
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
@@ -180,17 +181,25 @@ def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
     """A stage's worker from its YAML `model` through the registry (here or in a stage
     process): no pipeline names its stages' classes. `placement`: which replica, on which
     devices (None: one replica on `device`)."""
-    from omnistage.models.registry import STAGE_BUILDERS, import_all_models
+    from omnistage.models.registry import STAGE_BUILDERS
+    ctx = stage_context(path, config, pipeline, name, device, dtype, options, placement)
+    with on_device(ctx.devices[0]):  # its warm-up kernels and graphs go to its own GPU
+        return build_ranks(ctx, STAGE_BUILDERS[ctx.stage.model].build,
+                           placement or StagePlacement(0, (str(device),), 1))
+
+
+def stage_context(path, config: dict, pipeline: PipelineConfig, name: str,
+                  device: torch.device, dtype: torch.dtype, options: dict[str, Any],
+                  placement: StagePlacement | None = None) -> StageContext:
+    """What stage `name`'s registered builder gets (every model family imported)."""
+    from omnistage.models.registry import import_all_models
     import_all_models()
-    stage = pipeline.stage(name)
     if placement is None:
         placement = StagePlacement(0, (str(device),), 1)
-    devices = tuple(torch.device(d) for d in placement.devices)
-    ctx = StageContext(Path(path), config, pipeline, stage, device, dtype,
-                       placement.stage_options(options), devices, placement.tp,
-                       placement.replica)
-    with on_device(devices[0]):  # its warm-up kernels and graphs go to its own GPU
-        return build_ranks(ctx, STAGE_BUILDERS[stage.model].build, placement)
+    return StageContext(Path(path), config, pipeline, pipeline.stage(name), device, dtype,
+                        placement.stage_options(options),
+                        tuple(torch.device(d) for d in placement.devices), placement.tp,
+                        placement.replica)
 
 
 @dataclass(frozen=True)
@@ -254,6 +263,7 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
     from omnistage.runtime.replicas import unit_name
     workers: dict[str, Any] = {}
     process_stages: dict[str, StageProcessSpec] = {}
+    local: list[tuple[str, StageConfig, torch.device, torch.dtype, StagePlacement]] = []
     for stage in stages:
         placements = stage_placements(stage, pipeline.stage_names.index(stage.name), device,
                                       options, len(pipeline.stages))
@@ -266,13 +276,38 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
                 process_stages[unit] = stage_process_spec(
                     path, config, pipeline, stage.name, dev, dt, options, placement, kind)
             else:
-                with startup.phase(unit):
-                    try:
-                        workers[unit] = build_stage_worker(path, config, pipeline, stage.name,
-                                                           dev, dt, options, placement)
-                    except ValueError as e:  # e.g. num_kv_blocks: which stage did not fit
-                        raise ValueError(f"stage {unit}: {e}") from e
+                local.append((unit, stage, dev, dt, placement))
+    ahead = start_kernels_ahead(path, config, pipeline, local, options)
+    try:
+        for unit, stage, dev, dt, placement in local:
+            with startup.phase(unit):
+                if ahead.listed(unit):
+                    with startup.phase("kernels_ahead"):
+                        ahead.wait(unit)
+                try:
+                    workers[unit] = build_stage_worker(path, config, pipeline, stage.name, dev,
+                                                       dt, options, placement)
+                except ValueError as e:  # e.g. num_kv_blocks: which stage did not fit
+                    raise ValueError(f"stage {unit}: {e}") from e
+    finally:
+        ahead.close()
     return workers, process_stages
+
+
+def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig,
+                        local: list[tuple[str, StageConfig, torch.device, torch.dtype,
+                                          StagePlacement]],
+                        options: dict[str, Any]) -> KernelsAhead:
+    """The Triton kernel variants that this process's stages list (their builders'
+    kernels_ahead), compiling in processes of their own while the stages build in order."""
+    from omnistage.models.registry import STAGE_BUILDERS
+    jobs: dict[str, tuple[tuple[str, int, int], list]] = {}
+    for unit, stage, dev, dt, placement in local:
+        if dev.type != "cuda" or (listed := STAGE_BUILDERS[stage.model].kernels_ahead) is None:
+            continue
+        jobs[unit] = cuda_target(dev), listed(stage_context(path, config, pipeline, stage.name,
+                                                            dev, dt, options, placement))
+    return KernelsAhead.start(jobs)
 
 
 def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],

@@ -31,6 +31,7 @@ else:
 VARIANTS = ("recompute", "gather")
 DEFAULT_VARIANT = "gather"  # H100, batch 32 x 168 frames: vocoder 408 -> 132 ms (recompute 175)
 _TILE = {"recompute": 512, "gather": 1024}  # elements per program
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -175,14 +176,47 @@ def anti_aliased_snake(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
     if x.numel() == 0:
         return y
     gather = variant == "gather"
-    tile = _TILE[variant]
-    if block is None:
-        block = min(tile, max(16, triton.next_power_of_2(L + 6 * gather)))
+    rows, block = launch_tile(B * C, L, variant, block)
     if gather and block < 8:
         raise ValueError(f"block: the gather variant needs >= 8, got {block}")
-    rows = max(1, min(tile // block, triton.next_power_of_2(B * C)))  # short rows share a tile
     grid = (triton.cdiv(B * C, rows), triton.cdiv(L, block - 6 if gather else block))
     _aa_snake_kernel[grid](x, y, alpha.contiguous(), beta.contiguous(),
                            filt.reshape(-1).float().contiguous(), B * C, C, L, ROWS=rows,
-                           BLOCK=block, GATHER=gather, FAST_SIN=fast_sin, num_warps=4)
+                           BLOCK=block, GATHER=gather, FAST_SIN=fast_sin, num_warps=NUM_WARPS)
     return y
+
+
+def launch_tile(rows_total: int, L: int, variant: str, block: int | None = None
+                ) -> tuple[int, int]:
+    """A launch's (ROWS, BLOCK) for B * C = rows_total rows of length L."""
+    tile = _TILE[variant]
+    if block is None:
+        block = min(tile, max(16, triton.next_power_of_2(L + 6 * (variant == "gather"))))
+    # short rows share a tile
+    return max(1, min(tile // block, triton.next_power_of_2(rows_total))), block
+
+
+def variant_key(shape: tuple[int, int, int], variant: str) -> tuple[int, ...]:
+    """What tells apart the compiled variants of the kernel for x [B, C, L] (beside the dtypes):
+    the launch's tile, and what Triton specializes its int arguments R, C and L on (the value 1,
+    divisibility by 16). Each variant costs seconds of compile (5 were 32 s of a cold 7B start:
+    engine/kernels_ahead.py compiles them ahead)."""
+    B, C, L = shape
+
+    def specialized(v: int) -> int:
+        return 1 if v == 1 else 16 if v % 16 == 0 else 0
+
+    return (*launch_tile(B * C, L, variant), specialized(B * C), specialized(C), specialized(L))
+
+
+def compile_ahead(shape: tuple[int, int, int], variant: str, x_dtype: torch.dtype,
+                  param_dtype: torch.dtype) -> str:
+    """Compile the variant `anti_aliased_snake` launches for x [B, C, L] of x_dtype (alpha and
+    beta of param_dtype), without launching it (engine/kernels_ahead.py runs this in a process
+    of its own). Returns its cache key."""
+    from omnistage.engine.kernels_ahead import warm_up
+    B, C, L = shape
+    rows, block = launch_tile(B * C, L, variant)
+    return warm_up(_aa_snake_kernel, x_dtype, x_dtype, param_dtype, param_dtype, torch.float32,
+                   B * C, C, L, ROWS=rows, BLOCK=block, GATHER=variant == "gather",
+                   FAST_SIN=False, num_warps=NUM_WARPS)

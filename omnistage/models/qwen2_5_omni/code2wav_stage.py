@@ -21,12 +21,17 @@ import torch
 from omnistage.checkpoint import iter_tensors
 from omnistage.config.schema import StageConfig
 from omnistage.engine.gen import GenEngineConfig, GenRequest, GenStageWorker
+from omnistage.engine.gen.graphs import BUCKETS
+from omnistage.engine.kernels_ahead import KernelJob
 from omnistage.models.qwen2_5_omni.code2wav_graphs import DecodeJob, Qwen2_5OmniCode2WavDecoder
-from omnistage.models.qwen2_5_omni.code2wav_options import Qwen2_5OmniCode2WavOptions
+from omnistage.models.qwen2_5_omni.code2wav_options import (VOCODER_DTYPES,
+                                                            Qwen2_5OmniCode2WavOptions)
+from omnistage.models.qwen2_5_omni.code2wav_plan import vocoder_lengths
 from omnistage.models.qwen2_5_omni.code2wav_stream import (ODE_STEPS, Qwen2_5OmniCode2WavChunk,
                                                            Qwen2_5OmniCode2WavStream,
                                                            Qwen2_5OmniCode2WavStreamConfig)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
+from omnistage.models.qwen2_5_omni.token2wav_bigvgan import BigVGANLayout
 from omnistage.models.qwen2_5_omni.voices import MAX_VOICES
 from omnistage.models.registry import register_model
 from omnistage.runtime import startup
@@ -240,3 +245,33 @@ def build_code2wav_stage(path: Any, config: dict, stage: StageConfig, name: str,
     token2wav.to(dtype if stage.dtype != "auto" else torch.float32).eval()
     return code2wav_worker(name, token2wav, device, options.stream_config(device), engine,
                            options)
+
+
+def code2wav_kernels_ahead(ctx: Any) -> list[KernelJob]:
+    """The BigVGAN Snake kernel's variants that the warm-up's vocoder graphs launch, one job
+    each, compiled ahead while the other stages load (engine/kernels_ahead.py; on a cold start
+    they were 32 s of the 7B pipeline's load: benchmarks/results/
+    qwen2_5_omni_pipeline_gpu_h200_cold_start_profile_session25_issue24_2026-11-29.json)."""
+    engine, options = ctx.options["code2wav"]
+    if ctx.device.type != "cuda" or options.bigvgan_triton == "off" \
+            or not engine.use_graphs(ctx.device):
+        return []
+    stream = options.stream_config(ctx.device)
+    if stream is None:  # one-shot: no graphs of fixed lengths
+        return []
+    from omnistage.models.qwen2_5_omni import bigvgan_triton  # triton: CUDA only
+    variant = (bigvgan_triton.DEFAULT_VARIANT if options.bigvgan_triton == "auto"
+               else options.bigvgan_triton)
+    t2w = ctx.config["token2wav_config"]
+    layout = BigVGANLayout.from_config(t2w.get("bigvgan_config") or {})
+    block = (t2w.get("dit_config") or {}).get("block_size", 24)
+    param_dtype = ctx.dtype if ctx.stage.dtype != "auto" else torch.float32
+    vocoder = options.vocoder_dtype_for(ctx.device)
+    x_dtype = param_dtype if vocoder == "float32" else VOCODER_DTYPES[vocoder]  # autocast's
+    shapes: dict[tuple[int, ...], tuple[int, int, int]] = {}  # a shape per compiled variant
+    for bucket in BUCKETS:
+        for frames in vocoder_lengths(stream, block):
+            for shape in sorted(layout.snake_shapes(bucket, frames)):
+                shapes.setdefault(bigvgan_triton.variant_key(shape, variant), shape)
+    return [KernelJob(bigvgan_triton.compile_ahead, (shape, variant, x_dtype, param_dtype))
+            for shape in shapes.values()]

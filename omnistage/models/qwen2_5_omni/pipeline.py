@@ -15,7 +15,8 @@ from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.fp8_decoder import quantize_decoder
 from omnistage.models.qwen2_5_omni.code2wav_options import pop_code2wav_options
 from omnistage.engine.gen import GenStageWorker
-from omnistage.models.qwen2_5_omni.code2wav_stage import Code2WavRequest, build_code2wav_stage
+from omnistage.models.qwen2_5_omni.code2wav_stage import (Code2WavRequest, build_code2wav_stage,
+                                                          code2wav_kernels_ahead)
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import (HANDOFFS, Qwen2_5OmniTalkerForCausalLM,
                                                   talker_default_params, talker_sequence,
@@ -53,7 +54,8 @@ def build_talker(ctx: StageContext) -> ARStageWorker:
                          model_cfg["embedding_size"])
 
 
-@register_stage("Qwen2_5OmniToken2Wav", "gen", sample_rate=SAMPLE_RATE)
+@register_stage("Qwen2_5OmniToken2Wav", "gen", sample_rate=SAMPLE_RATE,
+                kernels_ahead=code2wav_kernels_ahead)
 def build_code2wav(ctx: StageContext) -> GenStageWorker:
     return build_code2wav_stage(ctx.path, ctx.config, ctx.stage, ctx.name, ctx.device, ctx.dtype,
                                 *ctx.options["code2wav"])

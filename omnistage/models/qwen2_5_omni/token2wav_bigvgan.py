@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -122,29 +123,57 @@ class Qwen2_5OmniAMPBlock(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class BigVGANLayout:
+    """BigVGAN's shape, from the checkpoint's bigvgan_config (its defaults: the released one)."""
+
+    mel_dim: int
+    channels: int  # upsample_initial_channel: stage i runs at channels >> (i + 1)
+    rates: tuple[int, ...]
+    kernels: tuple[int, ...]
+    res_kernels: tuple[int, ...]
+    res_dils: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> BigVGANLayout:
+        layout = cls(cfg.get("mel_dim", 80), cfg.get("upsample_initial_channel", 1536),
+                     tuple(cfg.get("upsample_rates", (5, 3, 2, 2, 2, 2))),
+                     tuple(cfg.get("upsample_kernel_sizes", (11, 7, 4, 4, 4, 4))),
+                     tuple(cfg.get("resblock_kernel_sizes", (3, 7, 11))),
+                     tuple(tuple(d) for d in cfg.get("resblock_dilation_sizes",
+                                                     [(1, 3, 5)] * 3)))
+        if len(layout.rates) != len(layout.kernels):
+            raise ValueError("bigvgan_config.upsample_kernel_sizes: needs one per upsample rate")
+        if len(layout.res_kernels) != len(layout.res_dils):
+            raise ValueError("bigvgan_config.resblock_dilation_sizes: needs one per kernel size")
+        return layout
+
+    def snake_shapes(self, batch: int, frames: int) -> set[tuple[int, int, int]]:
+        """The [B, C, L] inputs of the anti-aliased Snakes in forward() on [batch, mel, frames]
+        (what their Triton kernel is compiled for: kernels_ahead)."""
+        shapes, length = set(), frames
+        for i, (r, k) in enumerate(zip(self.rates, self.kernels, strict=True)):
+            length = (length - 1) * r - 2 * ((k - r) // 2) + k  # the ConvTranspose1d's
+            shapes.add((batch, self.channels >> (i + 1), length))  # its AMP blocks keep L
+        return shapes
+
+
 class Qwen2_5OmniToken2WavBigVGAN(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        mel_dim = cfg.get("mel_dim", 80)
-        ch = cfg.get("upsample_initial_channel", 1536)
-        rates = list(cfg.get("upsample_rates", (5, 3, 2, 2, 2, 2)))
-        kernels = list(cfg.get("upsample_kernel_sizes", (11, 7, 4, 4, 4, 4)))
-        res_kernels = list(cfg.get("resblock_kernel_sizes", (3, 7, 11)))
-        res_dils = [tuple(d) for d in cfg.get("resblock_dilation_sizes", [(1, 3, 5)] * 3)]
-        if len(rates) != len(kernels):
-            raise ValueError("bigvgan_config.upsample_kernel_sizes: needs one per upsample rate")
-        if len(res_kernels) != len(res_dils):
-            raise ValueError("bigvgan_config.resblock_dilation_sizes: needs one per kernel size")
-        self.num_kernels = len(res_kernels)
+        layout = BigVGANLayout.from_config(cfg)
+        ch, rates = layout.channels, layout.rates
+        self.num_kernels = len(layout.res_kernels)
         self.hop = math.prod(rates)
-        self.conv_pre = nn.Conv1d(mel_dim, ch, 7, padding=3)
+        self.conv_pre = nn.Conv1d(layout.mel_dim, ch, 7, padding=3)
         # one extra ModuleList level per stage: the checkpoint's names are ups.{i}.0.*
         self.ups = nn.ModuleList(
             nn.ModuleList([nn.ConvTranspose1d(ch >> i, ch >> (i + 1), k, r, padding=(k - r) // 2)])
-            for i, (r, k) in enumerate(zip(rates, kernels, strict=True)))
+            for i, (r, k) in enumerate(zip(rates, layout.kernels, strict=True)))
         self.resblocks = nn.ModuleList(
             Qwen2_5OmniAMPBlock(ch >> (i + 1), k, d)
-            for i in range(len(rates)) for k, d in zip(res_kernels, res_dils, strict=True))
+            for i in range(len(rates))
+            for k, d in zip(layout.res_kernels, layout.res_dils, strict=True))
         self.activation_post = Qwen2_5OmniAntiAliasedSnake(ch >> len(rates))
         self.conv_post = nn.Conv1d(ch >> len(rates), 1, 7, padding=3, bias=False)
 

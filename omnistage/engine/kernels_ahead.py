@@ -1,0 +1,142 @@
+"""Triton kernel variants compiled ahead, in processes of their own, while the stages load.
+
+NOTE (why): on a cold start (an empty Triton cache) a stage compiles each variant of a Triton
+kernel on its first launch, inside its warm-up, one after another; Triton's LLVM passes hold the
+GIL, so threads do not overlap them. A stage builder that knows its variants before its build
+(models/registry.StageBuilder.kernels_ahead) lists them as KernelJobs: build_stages
+(runtime/build.py) compiles them in spawned processes when the pipeline's build starts, into the
+on-disk Triton cache (config/env.compile_cache_dirs), and waits for them just before that stage's
+build, whose first launch of each variant then loads it from the cache. On a warm start the
+processes find every variant cached and end. A job that fails is logged, and the stage compiles
+that variant itself on first use, as it would without this.
+
+The processes never touch the GPU: Triton's driver is replaced there by the target's
+description (compute capability), so they take no device memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WAIT_SECONDS = 300.0  # the most a stage's build waits for its jobs (then it compiles them)
+
+
+@dataclass(frozen=True)
+class KernelJob:
+    """One variant: `compile(*args)` run in a process whose Triton compiles for the pipeline's
+    GPU. compile: a module-level function (pickled by reference) that calls the kernel's
+    `warmup` (`warm_up`) with the arguments of the launch it stands for."""
+
+    compile: Callable[..., None]
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class _TargetOnly:
+    """Triton's driver, as far as compiling needs it: the target, no CUDA context."""
+
+    target: Any  # triton.backends.compiler.GPUTarget
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+
+def warm_up(kernel: Any, *args: Any, **kwargs: Any) -> str:
+    """Compile `kernel` (a @triton.jit function) for the launch `kernel[grid](*args, **kwargs)`
+    without launching it: tensors stand as their torch dtypes (Triton's MockTensor, aligned as
+    every allocation is), integers as launched (their type, and what Triton specializes).
+    Returns the compiled kernel's cache key."""
+    return kernel.warmup(*args, grid=(1,), **kwargs).hash
+
+
+def _run(job: KernelJob, target: tuple[str, int, int]) -> tuple[float, Any]:
+    """In the child: point Triton at the target, run the job -> (its seconds, its result)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    driver.set_active(_TargetOnly(GPUTarget(*target)))
+    t0 = time.perf_counter()
+    result = job.compile(*job.args)
+    return time.perf_counter() - t0, result
+
+
+def cuda_target(device: torch.device) -> tuple[str, int, int]:
+    """Triton's target for a CUDA device: (backend, compute capability, warp size)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return ("cuda", major * 10 + minor, 32)
+
+
+@dataclass
+class KernelsAhead:
+    """Jobs compiling in child processes, by the stage unit that listed them."""
+
+    pool: ProcessPoolExecutor | None = None
+    futures: dict[str, list[Future]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, jobs: dict[str, tuple[tuple[str, int, int], list[KernelJob]]]
+              ) -> KernelsAhead:
+        """Start every unit's jobs, each for its unit's target (cuda_target; a no-op with
+        none)."""
+        n = sum(len(js) for _, js in jobs.values())
+        if n == 0:
+            return cls()
+        workers = max(1, min(n, (os.cpu_count() or 2) // 2))
+        # a process per job: no job sees another's kernels in Triton's in-memory cache
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                   max_tasks_per_child=1)
+        ahead = cls(pool)
+        for unit, (target, js) in jobs.items():
+            if js:
+                ahead.futures[unit] = [pool.submit(_run, job, target) for job in js]
+        log.info("compiling %d Triton kernel variants ahead in %d processes", n, workers)
+        return ahead
+
+    def listed(self, unit: str) -> bool:
+        return bool(self.futures.get(unit))
+
+    def wait(self, unit: str, timeout: float = WAIT_SECONDS) -> list[Any]:
+        """Before `unit`'s build: its jobs done (or failed, or timed out: it compiles them).
+        Returns each job's result (None where it failed or is not done)."""
+        futures = self.futures.pop(unit, [])
+        done, pending = wait_futures(futures, timeout=timeout)
+        results = []
+        for f in futures:
+            if f in pending:
+                results.append(None)
+            elif (e := f.exception()) is not None:
+                log.warning("stage %s: a kernel compiled ahead failed (%s: %s); its first "
+                            "launch compiles it", unit, type(e).__name__, e)
+                results.append(None)
+            else:
+                seconds, result = f.result()
+                log.info("stage %s: kernel compiled ahead in %.1f s", unit, seconds)
+                results.append(result)
+        if pending:
+            log.warning("stage %s: %d kernels compiled ahead not done in %.0f s; its first "
+                        "launches compile them", unit, len(pending), timeout)
+        if not self.futures:
+            self.close()
+        return results
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
