@@ -39,7 +39,7 @@ class KernelJob:
     GPU. compile: a module-level function (pickled by reference) that calls the kernel's
     `warmup` (`warm_up`) with the arguments of the launch it stands for."""
 
-    compile: Callable[..., None]
+    compile: Callable[..., Any]
     args: tuple = ()
 
 
@@ -116,7 +116,7 @@ class KernelsAhead:
         """Before `unit`'s build: its jobs done (or failed, or timed out: it compiles them).
         Returns each job's result (None where it failed or is not done)."""
         futures = self.futures.pop(unit, [])
-        done, pending = wait_futures(futures, timeout=timeout)
+        _, pending = wait_futures(futures, timeout=timeout)
         results = []
         for f in futures:
             if f in pending:

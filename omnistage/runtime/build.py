@@ -4,6 +4,7 @@ its device, an AR stage's engine config, default sampling, request ids and seeds
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from omnistage.runtime.process import StageProcessSpec, stage_process_spec
 from omnistage.runtime.stage import on_device
 from omnistage.runtime import startup
 from omnistage.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -300,13 +303,17 @@ def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig,
                         options: dict[str, Any]) -> KernelsAhead:
     """The Triton kernel variants that this process's stages list (their builders'
     kernels_ahead), compiling in processes of their own while the stages build in order."""
-    from omnistage.models.registry import STAGE_BUILDERS
+    from omnistage.models.registry import STAGE_BUILDERS, import_all_models
+    import_all_models()
     jobs: dict[str, tuple[tuple[str, int, int], list]] = {}
     for unit, stage, dev, dt, placement in local:
         if dev.type != "cuda" or (listed := STAGE_BUILDERS[stage.model].kernels_ahead) is None:
             continue
-        jobs[unit] = cuda_target(dev), listed(stage_context(path, config, pipeline, stage.name,
-                                                            dev, dt, options, placement))
+        ctx = stage_context(path, config, pipeline, stage.name, dev, dt, options, placement)
+        try:
+            jobs[unit] = cuda_target(dev), listed(ctx)
+        except Exception:  # noqa: BLE001 - only a head start: the build compiles them itself
+            log.exception("stage %s: listing its kernels to compile ahead failed", unit)
     return KernelsAhead.start(jobs)
 
 
