@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
-import threading
 import zlib
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -110,69 +108,16 @@ def as_tensor(tensor) -> torch.Tensor:
 
 
 def iter_tensors(path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor whose name starts with `prefix` (prefix stripped), read
-    READ_AHEAD tensors ahead of the caller on a thread of their own. Inside
-    layers.parallel.tensor_parallel (size > 1) the tensors are LazyTensors: each rank reads
-    only the slices its parameters hold (load_parameters)."""
+    """(name, tensor) for every tensor whose name starts with `prefix` (prefix stripped).
+    Inside layers.parallel.tensor_parallel (size > 1) the tensors are LazyTensors: each rank
+    reads only the slices its parameters hold (load_parameters)."""
     lazy = current_tp().enabled
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for file in safetensors_files(path):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name.startswith(prefix):
-                        value = LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
-                        yield name[len(prefix):], value
-    return tensors() if lazy else read_ahead(tensors(), READ_AHEAD)
-
-
-# NOTE (why read ahead): reading a tensor (page cache -> host memory) holds the GIL, copying the
-# last one to the GPU (load_parameters) releases it, so the two overlap; at most this many
-# tensors wait (a 7B thinker's largest is 1.1 GB)
-READ_AHEAD = 2
-
-
-def read_ahead(items: Generator, depth: int) -> Iterator:
-    """`items` produced on a thread of their own, up to `depth` ahead of the consumer, in order;
-    an exception there is raised here. Closing this generator (a consumer that stops early)
-    stops the thread and closes `items`."""
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(entry: tuple) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not put((item, None)):
-                    return
-            put((end, None))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            put((end, e))
-        finally:
-            items.close()
-
-    thread = threading.Thread(target=produce, name="omnistage-read-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = ready.get()
-            if error is not None:
-                raise error
-            if item is end:
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    value = LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
+                    yield name[len(prefix):], value
 
 
 def dummy_tensors(model: torch.nn.Module, seed: int = 0,
