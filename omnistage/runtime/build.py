@@ -256,6 +256,10 @@ def stage_placements(stage: StageConfig, index: int, device: torch.device,
     return placements
 
 
+# a stage replica built in this process: (unit name, its stage, device, dtype, placement)
+LocalUnit = tuple[str, StageConfig, torch.device, torch.dtype, StagePlacement]
+
+
 def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[StageConfig],
                  device: torch.device, dtype: torch.dtype, options: dict[str, Any]
                  ) -> tuple[dict[str, Any], dict[str, StageProcessSpec]]:
@@ -266,7 +270,7 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
     from omnistage.runtime.replicas import unit_name
     workers: dict[str, Any] = {}
     process_stages: dict[str, StageProcessSpec] = {}
-    local: list[tuple[str, StageConfig, torch.device, torch.dtype, StagePlacement]] = []
+    local: list[LocalUnit] = []
     for stage in stages:
         placements = stage_placements(stage, pipeline.stage_names.index(stage.name), device,
                                       options, len(pipeline.stages))
@@ -297,9 +301,7 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
     return workers, process_stages
 
 
-def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig,
-                        local: list[tuple[str, StageConfig, torch.device, torch.dtype,
-                                          StagePlacement]],
+def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig, local: list[LocalUnit],
                         options: dict[str, Any]) -> KernelsAhead:
     """The Triton kernel variants that this process's stages list (their builders'
     kernels_ahead), compiling in processes of their own while the stages build in order."""
