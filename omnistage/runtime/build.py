@@ -185,20 +185,18 @@ def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
     process): no pipeline names its stages' classes. `placement`: which replica, on which
     devices (None: one replica on `device`)."""
     from omnistage.models.registry import STAGE_BUILDERS
+    placement = placement or StagePlacement(0, (str(device),), 1)
     ctx = stage_context(path, config, pipeline, name, device, dtype, options, placement)
     with on_device(ctx.devices[0]):  # its warm-up kernels and graphs go to its own GPU
-        return build_ranks(ctx, STAGE_BUILDERS[ctx.stage.model].build,
-                           placement or StagePlacement(0, (str(device),), 1))
+        return build_ranks(ctx, STAGE_BUILDERS[ctx.stage.model].build, placement)
 
 
 def stage_context(path, config: dict, pipeline: PipelineConfig, name: str,
                   device: torch.device, dtype: torch.dtype, options: dict[str, Any],
-                  placement: StagePlacement | None = None) -> StageContext:
+                  placement: StagePlacement) -> StageContext:
     """What stage `name`'s registered builder gets (every model family imported)."""
     from omnistage.models.registry import import_all_models
     import_all_models()
-    if placement is None:
-        placement = StagePlacement(0, (str(device),), 1)
     return StageContext(Path(path), config, pipeline, pipeline.stage(name), device, dtype,
                         placement.stage_options(options),
                         tuple(torch.device(d) for d in placement.devices), placement.tp,

@@ -32,6 +32,7 @@ from omnistage.models.qwen2_5_omni.code2wav_stream import (ODE_STEPS, Qwen2_5Omn
                                                            Qwen2_5OmniCode2WavStreamConfig)
 from omnistage.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 from omnistage.models.qwen2_5_omni.token2wav_bigvgan import BigVGANLayout
+from omnistage.models.qwen2_5_omni.token2wav_dit import Qwen2_5OmniDiTSpec
 from omnistage.models.qwen2_5_omni.voices import MAX_VOICES
 from omnistage.models.registry import register_model
 from omnistage.runtime import startup
@@ -233,6 +234,11 @@ def code2wav_worker(name: str, model: Qwen2_5OmniToken2Wav, device: torch.device
         return GenStageWorker(name, decoder, device, config)
 
 
+def token2wav_dtype(stage: StageConfig, dtype: torch.dtype) -> torch.dtype:
+    """The token2wav's parameters: float32 unless the stage's YAML names a dtype."""
+    return dtype if stage.dtype != "auto" else torch.float32
+
+
 def build_code2wav_stage(path: Any, config: dict, stage: StageConfig, name: str,
                          device: torch.device, dtype: torch.dtype,
                          engine: GenEngineConfig, options: Qwen2_5OmniCode2WavOptions
@@ -242,7 +248,7 @@ def build_code2wav_stage(path: Any, config: dict, stage: StageConfig, name: str,
         token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
     prefix = "token2wav." if stage.checkpoint_prefix is None else stage.checkpoint_prefix
     token2wav.load_state_dict(dict(iter_tensors(path, prefix)), strict=True)
-    token2wav.to(dtype if stage.dtype != "auto" else torch.float32).eval()
+    token2wav.to(token2wav_dtype(stage, dtype)).eval()
     return code2wav_worker(name, token2wav, device, options.stream_config(device), engine,
                            options)
 
@@ -264,8 +270,8 @@ def code2wav_kernels_ahead(ctx: Any) -> list[KernelJob]:
                else options.bigvgan_triton)
     t2w = ctx.config["token2wav_config"]
     layout = BigVGANLayout.from_config(t2w.get("bigvgan_config") or {})
-    block = (t2w.get("dit_config") or {}).get("block_size", 24)
-    param_dtype = ctx.dtype if ctx.stage.dtype != "auto" else torch.float32
+    block = Qwen2_5OmniDiTSpec.from_dict(t2w.get("dit_config") or {}).block_size
+    param_dtype = token2wav_dtype(ctx.stage, ctx.dtype)
     vocoder = options.vocoder_dtype_for(ctx.device)
     x_dtype = param_dtype if vocoder == "float32" else VOCODER_DTYPES[vocoder]  # autocast's
     shapes: dict[tuple[int, ...], tuple[int, int, int]] = {}  # a shape per compiled variant
