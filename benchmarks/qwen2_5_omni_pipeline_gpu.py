@@ -355,7 +355,8 @@ def stage_graphs(llm: AsyncOmniLLM) -> dict[str, float]:
     if stage is None or getattr(getattr(stage, "model", None), "_decoder", None) is None:
         return {}
     return {k: v for k, v in stage.model.decoder.stats().items()
-            if k in ("dit_graphs", "vocoder_graphs", "compile_seconds", "capture_seconds")}
+            if k in ("dit_graphs", "vocoder_graphs", "compile_seconds", "capture_seconds",
+                     "warmup_seconds")}
 
 
 def stage_stats(llm: AsyncOmniLLM) -> dict:
@@ -652,6 +653,9 @@ async def main_async(args, res: dict, save) -> None:
     res["load_s"] = round(time.perf_counter() - t1, 1)
     res["startup_phases_s"] = {k: round(v, 2) for k, v in llm.startup_seconds.items()}
     res["pending_captures_after_load"] = pending_captures(llm)
+    # what the load compiled and captured (dynamo frames: one per compile, recompiles too)
+    res["dynamo_frames_at_load"] = dynamo_frames()
+    res["code2wav_graphs_at_load"] = stage_graphs(llm)
     res["quantization"], res["gpu_memory_budget_GiB"] = args.quantization, args.gpu_memory_budget
     c2w = llm.pipeline.workers.get("code2wav")
     if getattr(getattr(c2w, "model", None), "_decoder", None) is not None:

@@ -138,3 +138,26 @@ def test_prefill_graphs_gpu_match_cpu(talker):
     assert set(pg.graphs) == {(T, talker, False) for T in pg.buckets}
     assert got == ref
     _same_rows(ref_rows, rows)
+
+
+def test_graph_metadata_is_aligned_as_fresh_tensors(graph_runs, monkeypatch):
+    # Triton specializes a kernel on its pointers' 16-byte alignment: the graphs' attention
+    # metadata (views into one int32 buffer) must be aligned as the eager path's fresh tensors
+    # are, or the graphs and a batched eager prefill compile two variants of the kernel
+    import omnistage.models.layers as layers
+    seen = []
+    real = layers.paged_attention
+
+    def spy(q, k_cache, v_cache, meta, scale, **kw):
+        seen.append([t.data_ptr() % 16 for t in (meta.query_start_loc, meta.seq_lens,
+                                                  meta.block_tables)])
+        return real(q, k_cache, v_cache, meta, scale, **kw)
+
+    monkeypatch.setattr(layers, "paged_attention", spy)
+    model = cpu_model(False)
+    eng = AREngine(model, EngineConfig(max_model_len=128, max_num_seqs=2, block_size=8,
+                                       cuda_graphs="eager"), torch.device("cpu"), torch.float32)
+    eng.add_request(Sequence("a", PROMPTS[1], GREEDY, seed=0))
+    eng.step()
+    assert graph_runs == [("a", 0, 17)] and seen
+    assert all(offsets == [0, 0, 0] for offsets in seen), seen

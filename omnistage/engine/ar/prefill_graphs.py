@@ -31,6 +31,12 @@ from omnistage.engine.ar.cuda_graphs import DecodeGraphs, _EagerGraph, smallest_
 from omnistage.engine.ar.interface import ForwardBatch
 
 BUCKETS = (16, 32, 64, 128, 256)  # padded token counts; larger prefills stay eager
+# int32 offsets of the step's seq_len and block table in `ints` (query_start_loc at 0): each
+# 16-byte aligned, as a fresh tensor is, because Triton specializes its kernels on pointer
+# alignment: unaligned, the graphs' prefill attention was a variant of its own, and the eager
+# path's first batched prefill compiled its own variant (1.2 s in the first burst after a cold
+# start on the H200)
+_SEQ_LEN, _TABLE = 4, 8
 
 
 class PrefillGraphs:
@@ -43,11 +49,12 @@ class PrefillGraphs:
         self.max_tokens = T
         cuda = decode.device.type == "cuda"
         # [ids T | positions 3T | slots T] long and [query_start_loc 2 | seq_len 1 | table MB]
-        # int32, each filled from a pinned host buffer by one copy per step
+        # int32 (at 0, _SEQ_LEN and _TABLE), each filled from a pinned host buffer by one copy
+        # per step
         self.longs_host = torch.zeros(5 * T, dtype=torch.long, pin_memory=cuda)
-        self.ints_host = torch.zeros(3 + MB, dtype=torch.int32, pin_memory=cuda)
+        self.ints_host = torch.zeros(_TABLE + MB, dtype=torch.int32, pin_memory=cuda)
         self.longs = torch.zeros(5 * T, dtype=torch.long, device=decode.device)
-        self.ints = torch.zeros(3 + MB, dtype=torch.int32, device=decode.device)
+        self.ints = torch.zeros(_TABLE + MB, dtype=torch.int32, device=decode.device)
         self.copied = torch.cuda.Event() if cuda else None  # the last copy read the host buffers
         self.embeds: torch.Tensor | None = None  # [T, width] once a model sends such rows
         self.embeds_mask = torch.zeros(T, dtype=torch.bool, device=decode.device)
@@ -80,9 +87,9 @@ class PrefillGraphs:
         blocks = torch.tensor(table, dtype=torch.long)[slots // bs]
         longs[4 * Tm:4 * Tm + T] = self.decode.dummy_block * bs  # padding: the dummy block
         longs[4 * Tm:4 * Tm + n] = blocks * bs + slots % bs
-        ints[0], ints[1], ints[2] = 0, n, start + n
-        ints[3:3 + MB] = self.decode.dummy_block
-        ints[3:3 + len(table)] = torch.tensor(table, dtype=torch.int32)
+        ints[0], ints[1], ints[_SEQ_LEN] = 0, n, start + n
+        ints[_TABLE:_TABLE + MB] = self.decode.dummy_block
+        ints[_TABLE:_TABLE + len(table)] = torch.tensor(table, dtype=torch.int32)
         self.kv_len_host = start + T
         self.longs.copy_(longs, non_blocking=True)
         self.ints.copy_(ints, non_blocking=True)
@@ -114,7 +121,8 @@ class PrefillGraphs:
         # the padding rows after the real ones do not change them)
         meta = AttentionMetadata(
             slot_mapping=longs[4 * Tm:4 * Tm + T], query_start_loc=ints[0:2],
-            seq_lens=ints[2:3], block_tables=ints[3:3 + MB].view(1, MB),
+            seq_lens=ints[_SEQ_LEN:_SEQ_LEN + 1],
+            block_tables=ints[_TABLE:_TABLE + MB].view(1, MB),
             query_lens_cpu=[T], seq_lens_cpu=[self.kv_len_host], max_query_len=T,
             decode_only=False)
         # NOTE: every input is a contiguous tensor, as on the eager path: a strided view here
@@ -173,7 +181,7 @@ class PrefillGraphs:
         longs.zero_()  # every row padding: token 0 at position 0 into the dummy block
         longs[4 * self.max_tokens:] = self.decode.dummy_block * self.decode.block_size
         ints.fill_(self.decode.dummy_block)
-        ints[0], ints[1], ints[2] = 0, 1, 1
+        ints[0], ints[1], ints[_SEQ_LEN] = 0, 1, 1
         self.longs.copy_(longs)
         self.ints.copy_(ints)
         if has_e:  # no row replaced, nothing added: the padding rows' plain embeddings

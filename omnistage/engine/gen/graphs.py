@@ -133,10 +133,12 @@ class GraphCache:
         self.held.clear()
 
     # ---------------------------------------------------------------- capture
-    def capture(self, fn: Callable[[], Any], key: tuple[Hashable, ...], beside: bool = False
-                ) -> tuple[torch.cuda.CUDAGraph, Any]:
-        """Run fn once (warm-up), then capture it into the shared pool on a private stream
-        (beside: the green context's); returns (graph, fn's captured output)."""
+    def capture(self, fn: Callable[[], Any], key: tuple[Hashable, ...], beside: bool = False,
+                warm: bool = True) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """Run fn once (warm-up; warm=False: fn was just captured on the same stream, so its
+        kernels, handles and workspaces are settled), then capture it into the shared pool on
+        a private stream (beside: the green context's); returns (graph, fn's captured
+        output)."""
         t0 = time.perf_counter()
         reserved = [0]
 
@@ -147,7 +149,7 @@ class GraphCache:
 
         stream = self.beside_capture_stream if beside else self.capture_stream
         graph, out = warm_and_capture(fn, fn, self.device, self.pool, stream, self.warm_stream,
-                                      after_warmup=warmed)
+                                      warmups=int(warm), after_warmup=warmed)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         self.graph_bytes[key] = (self.graph_bytes.get(key, 0)

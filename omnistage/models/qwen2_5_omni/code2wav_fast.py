@@ -22,6 +22,7 @@ that the norms, modulation, rotary, activations and residuals fuse around the GE
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -278,13 +279,17 @@ class IntervalCursor:
     def __init__(self, fast: Qwen2_5OmniFastDiT) -> None:
         self.fast = fast
         self.intervals = len(fast.widths)
-        self.params = torch.empty_like(fast.interval_table[0])
-        self.width = torch.empty(1, dtype=torch.float32, device=fast.device)
         n_layers, dim = len(fast.mods), fast.out_mods.shape[-1]
         per_layer = 4 * 6 * dim
-        self.layer_mods = [self.params[k * per_layer:(k + 1) * per_layer].view(4, 6, dim)
-                           for k in range(n_layers)]
-        self.out_mods = self.params[n_layers * per_layer:].view(4, 2, dim)
+        # inference tensors exactly where the time table's are: dynamo guards on it, so the
+        # interval graphs then run the code compile_for compiled from the table (else each
+        # step function compiled once more for the cursor's kind of tensor)
+        with torch.inference_mode(fast.out_mods.is_inference()):
+            self.params = torch.empty_like(fast.interval_table[0])
+            self.width = torch.empty(1, dtype=torch.float32, device=fast.device)
+            self.layer_mods = [self.params[k * per_layer:(k + 1) * per_layer].view(4, 6, dim)
+                               for k in range(n_layers)]
+            self.out_mods = self.params[n_layers * per_layer:].view(4, 2, dim)
 
     def load(self, i: int) -> None:
         """Interval i's inputs (two device copies, queued on the current stream)."""
@@ -391,21 +396,45 @@ def _dit_out(n: torch.Tensor, w: torch.Tensor, b: torch.Tensor, keep: torch.Tens
 
 _COMPILED: tuple = ()
 
+# the batch and window-width dims of each step function's tensors (argument index -> dims):
+# marked dynamic on every call, so the first compile is already the symbolic one
+_DYNAMIC_DIMS = {
+    "_dit_in": {0: (0, 1), 1: (0, 1)},  # x [R, W, mel], static [B, W, D]
+    # h, n [B, W, D]; cos, sin [B, 1, W, hd/2]; mask [B, 1, W, W'] (SDPA) or [B, 4] (frames)
+    "_dit_layer": {0: (0, 1), 1: (0, 1), 13: (0, 2), 14: (0, 2), 15: (0, 2, 3)},
+    "_dit_out": {0: (0, 1), 3: (0, 1)},  # n [B, W, D], keep [R, W, 1]
+}
+
+
+def _with_dynamic_dims(fn: Callable, compiled: Callable) -> Callable:
+    """compiled(*args) with fn's batch and width dims marked dynamic first."""
+    dims = _DYNAMIC_DIMS[fn.__name__]
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        for i, ds in dims.items():
+            for d in ds:
+                if d < args[i].dim():
+                    torch._dynamo.maybe_mark_dynamic(args[i], d)
+        return compiled(*args)
+
+    return run
+
 
 def _compiled_steps() -> tuple:
     """(_dit_in, _dit_layer, _dit_out) compiled by inductor (built once).
 
-    NOTE (shapes): dynamo's automatic dynamic shapes: the first (bucket, width) compiles at
-    static shapes, and a dim that changes (the width, then the batch) recompiles once as a
-    symbolic size, so every later (bucket, width) reuses that code (batch 1 keeps its own:
-    size-1 dims specialize). Static shapes compiled each of the ~45 graphed shapes anew, which
-    was most of code2wav's start-up."""
+    NOTE (shapes): the batch and width dims are marked dynamic (_DYNAMIC_DIMS), so the first
+    compile of a step function serves every (bucket, width) a warm-up graphs; only a size-1
+    batch (R = 1 without CFG's doubling) specializes, as dynamo does for size-1 dims. With
+    dynamo's automatic dynamic shapes alone each function compiled three times (static, then
+    width-dynamic, then batch-dynamic), and static shapes compiled each of the ~45 graphed
+    shapes anew."""
     global _COMPILED
     if not _COMPILED:
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))
-        _COMPILED = tuple(torch.compile(f, fullgraph=True, dynamic=None)
+        _COMPILED = tuple(_with_dynamic_dims(f, torch.compile(f, fullgraph=True, dynamic=None))
                           for f in (_dit_in, _dit_layer, _dit_out))
     return _COMPILED
 

@@ -267,9 +267,11 @@ class Qwen2_5OmniCode2WavDecoder:
             # back to back they cost the same as one graph (measured: benchmarks/results/
             # code2wav_gpu_h100_overlap_*.json)
             g.cursor.load(0)  # (the interval's warm-up run reads some interval's inputs)
-            for capture in (self._dit_begin, self._dit_interval, self._dit_interval):
+            # (the interval's second copy: no warm-up run, the first one's capture was it)
+            for capture, warm in ((self._dit_begin, True), (self._dit_interval, True),
+                                  (self._dit_interval, False)):
                 graph, _ = self.graphs.capture(lambda capture=capture: capture(g),
-                                               ("dit", bucket, width), key[2])
+                                               ("dit", bucket, width), key[2], warm)
                 g.segments.append(graph)
             g.output = g.state.x
             self.dit_graphs[key] = g

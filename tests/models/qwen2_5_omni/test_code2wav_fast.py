@@ -402,9 +402,33 @@ def test_interval_cursor_equals_the_time_table(t2w: Qwen2_5OmniToken2Wav) -> Non
             assert torch.equal(table.x, fast.sample(*args, compiled=compiled))
 
 
+def test_cursor_intervals_run_the_code_compile_for_compiled(t2w: Qwen2_5OmniToken2Wav) -> None:
+    # a DiT graph compiles its shape from the time table (compile_for) and captures intervals
+    # that read an IntervalCursor, both under inference mode: dynamo guards on whether a
+    # tensor is an inference tensor, so a cursor of the other kind compiled everything again
+    from torch._dynamo.utils import counters
+    dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
+    stream = _stream(t2w, 1, 70)
+    with torch.inference_mode():
+        buf = dec.new_dit_inputs(3, 96)
+        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
+        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        dec.fast.compile_for(*args)
+        frames = counters["stats"]["unique_graphs"]
+        cursor = IntervalCursor(dec.fast)
+        state = dec.fast.begin(*args)
+        for i in range(cursor.intervals):
+            cursor.load(i)
+            dec.fast.interval(state, 0, True, cursor)
+        assert torch.equal(state.x, dec.fast.sample(*args, compiled=True))
+        assert state.x[:2].abs().max() > 1.0
+    assert counters["stats"]["unique_graphs"] == frames
+
+
 def test_compiled_steps_reuse_code_across_shapes(t2w: Qwen2_5OmniToken2Wav) -> None:
-    # automatic dynamic shapes: once the width and the batch have each changed, a new
-    # (bucket, width) runs the code compiled already (no new dynamo frame) and still equals eager
+    # the batch and width dims are dynamic from the first compile (_DYNAMIC_DIMS): once a
+    # batch of 2 or more rows has compiled, every other (bucket, width) runs that code (no new
+    # dynamo frame) and still equals eager
     from torch._dynamo.utils import counters
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
     stream = _stream(t2w, 1, 70)
@@ -420,12 +444,12 @@ def test_compiled_steps_reuse_code_across_shapes(t2w: Qwen2_5OmniToken2Wav) -> N
         return compiled
 
     with torch.inference_mode():
+        run(3, 104)
+        frames = counters["stats"]["unique_graphs"]
         # (widths that are not multiples of 16: SDPA's masks are padded to 16, and a padded
         # stride against an unpadded one is a guard of its own)
-        for bucket, width in ((3, 104), (3, 120), (5, 120)):
+        for bucket, width in ((3, 120), (5, 120), (6, 104), (2, 200)):
             run(bucket, width)
-        frames = counters["stats"]["unique_graphs"]
-        run(6, 104)
     assert counters["stats"]["unique_graphs"] == frames
 
 
