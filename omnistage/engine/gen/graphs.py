@@ -135,16 +135,16 @@ class GraphCache:
     # ---------------------------------------------------------------- capture
     def capture(self, fn: Callable[[], Any], key: tuple[Hashable, ...], beside: bool = False,
                 warm: bool = True) -> tuple[torch.cuda.CUDAGraph, Any]:
-        """Run fn once (warm-up; warm=False: fn was just captured on the same stream, so its
-        kernels, handles and workspaces are settled), then capture it into the shared pool on
-        a private stream (beside: the green context's); returns (graph, fn's captured
-        output)."""
+        """Run fn once (warm-up; warm=False: the caller knows its kernels are loaded and its
+        compiles done), then capture it into the shared pool on a private stream (beside: the
+        green context's); returns (graph, fn's captured output)."""
         t0 = time.perf_counter()
         reserved = [0]
 
         def warmed() -> None:  # (compiled code is compiled already: compile_or_fall_back)
             torch.cuda.synchronize(self.device)
-            self.warmup_seconds += time.perf_counter() - t0
+            if warm:
+                self.warmup_seconds += time.perf_counter() - t0
             reserved[0] = torch.cuda.memory_reserved(self.device)
 
         stream = self.beside_capture_stream if beside else self.capture_stream

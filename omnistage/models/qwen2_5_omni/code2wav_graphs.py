@@ -267,8 +267,13 @@ class Qwen2_5OmniCode2WavDecoder:
             # back to back they cost the same as one graph (measured: benchmarks/results/
             # code2wav_gpu_h100_overlap_*.json)
             g.cursor.load(0)  # (the interval's warm-up run reads some interval's inputs)
-            # (the interval's second copy: no warm-up run, the first one's capture was it)
-            for capture, warm in ((self._dit_begin, True), (self._dit_interval, True),
+            # warm-up runs only where something is left to settle: compile_for has just run
+            # this shape's preparation and compiled DiT (its cuBLAS and Triton kernels loaded)
+            # and an earlier graph the rest (the driver loads kernels during a capture since
+            # CUDA 12.3); the interval's second copy never (the first one's capture was it)
+            settled = self.compile and bool(self.dit_graphs)
+            for capture, warm in ((self._dit_begin, not settled),
+                                  (self._dit_interval, not settled),
                                   (self._dit_interval, False)):
                 graph, _ = self.graphs.capture(lambda capture=capture: capture(g),
                                                ("dit", bucket, width), key[2], warm)

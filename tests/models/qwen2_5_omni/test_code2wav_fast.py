@@ -483,6 +483,13 @@ def test_compiled_graphs_cuda(t2w: Qwen2_5OmniToken2Wav) -> None:
     assert all(c.mel.abs().max() > 0.1 for c in eager)
     assert mel_diff < 1e-4 and wav_diff < 1e-4
     assert _max_diff(again, got) == (0.0, 0.0)
+    # a later shape's graphs are captured without warm-up runs (compile_for ran the shape)
+    warmed = dec.stats()["warmup_seconds"]
+    reqs = [(streams[1], 0), (streams[0], 0)]  # 2 rows: bucket 2, width 48
+    got, eager = dec.decode(reqs), Qwen2_5OmniCode2WavDecoder(model, cuda_graphs=False).decode(reqs)
+    assert dec.stats()["dit_graphs"] == 2 and dec.stats()["warmup_seconds"] == warmed
+    assert all(c.mel.abs().max() > 0.1 for c in eager)
+    assert max(_max_diff(got, eager)) < 1e-4, _max_diff(got, eager)
 
 
 @pytest.mark.gpu
