@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from omnistage.config import env
 from omnistage.layers.parallel import current_tp
+from omnistage.weights_upload import DeviceUploads
 
 
 def resolve_model_path(model: str) -> Path:
@@ -162,32 +163,39 @@ def load_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.
     parameter or a wrong shape, and naming the parameters no tensor filled."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in tensors:
-        ours = name if rename is None else rename(name)
-        if ours is None or ours.endswith(DERIVED_TENSOR_SUFFIXES):
-            continue
-        done = None if load_special is None else load_special(ours, tensor)  # may be lazy
-        if done is not None:
-            loaded |= done
-            continue
-        shown = f"{shown_prefix}{name}"
-        if ours not in params:
-            raise ValueError(f"checkpoint tensor {shown!r} has no matching parameter "
-                             f"({type(module).__name__} has no such parameter {ours!r})")
-        p = params[ours]
-        shard = getattr(p, "tp_shard", None)
-        if shard is not None:
-            try:
-                tensor = shard.take(tensor)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {shown!r}: {e}") from e
-        tensor = as_tensor(tensor)
-        if p.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {shown!r}: shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor)
-        loaded.add(ours)
+    uploads = DeviceUploads()  # large copies to a GPU, landed before this returns
+    try:
+        for name, tensor in tensors:
+            ours = name if rename is None else rename(name)
+            if ours is None or ours.endswith(DERIVED_TENSOR_SUFFIXES):
+                continue
+            done = None if load_special is None else load_special(ours, tensor)  # may be lazy
+            if done is not None:
+                loaded |= done
+                continue
+            shown = f"{shown_prefix}{name}"
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {shown!r} has no matching parameter "
+                                 f"({type(module).__name__} has no such parameter {ours!r})")
+            p = params[ours]
+            shard = getattr(p, "tp_shard", None)
+            if shard is not None:
+                try:
+                    tensor = shard.take(tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {shown!r}: {e}") from e
+            tensor = as_tensor(tensor)
+            if p.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {shown!r}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(p.shape)}")
+            if uploads.takes(p, tensor):
+                uploads.copy(p.data, tensor)
+            else:
+                with torch.no_grad():
+                    p.copy_(tensor)
+            loaded.add(ours)
+    finally:
+        uploads.finish()
     missing = sorted(f"{shown_prefix}{n}" for n in set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
