@@ -67,6 +67,56 @@ def warm_up(kernel: Any, *args: Any, **kwargs: Any) -> str:
     return kernel.warmup(*args, grid=(1,), **kwargs).hash
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument for launch code that reads its shape and strides, when compiling ahead
+    (no tensor): dtype, shape, strides (None: contiguous) and `offset`, its address in bytes
+    past a 16-byte boundary (Triton specializes pointers on 16-byte alignment; an allocation
+    is aligned, a view at an offset may not be)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
+    offset: int = 0
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
+        """The stand-in of torch.empty(shape, dtype=dtype) (launch code's `empty`)."""
+        return cls(dtype, tuple(shape))
+
+    def stride(self, dim: int | None = None) -> Any:
+        strides = self.strides
+        if strides is None:
+            acc, rev = 1, []
+            for size in reversed(self.shape):
+                rev.append(acc)
+                acc *= max(size, 1)
+            strides = tuple(reversed(rev))
+        return strides if dim is None else strides[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def data_ptr(self) -> int:
+        return self.offset
+
+
+def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
+    """`run` of launch code shared with its compile-ahead path: the launch itself."""
+    return kernel[grid](*args, **kwargs)
+
+
+@dataclass
+class CompileOnly:
+    """`run` of launch code called on TensorSpecs: compiles each launch instead (warm_up) and
+    keeps the cache keys, in launch order."""
+
+    keys: list[str] = field(default_factory=list)
+
+    def __call__(self, kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
+        self.keys.append(warm_up(kernel, *args, **kwargs))
+
+
 def _run(job: KernelJob, target: tuple[str, int, int]) -> tuple[float, Any]:
     """In the child: point Triton at the target, run the job -> (its seconds, its result)."""
     from triton.backends.compiler import GPUTarget

@@ -284,11 +284,10 @@ class DecoderLayer(nn.Module):
     def gemv_tuned(self) -> bool:
         """Whether triton_gemv's table has measured 1-row configs for this layer's weights."""
         if self._gemv_tuned is None:
-            from omnistage.engine.ar.triton_gemv import CONFIGS  # triton: lazily
-            shapes = (self.w_qkv.shape, self.self_attn.o_proj.weight.shape,
-                      self.w_gate_up.shape, self.mlp.down_proj.weight.shape)
-            self._gemv_tuned = self.w_qkv.dtype in (torch.bfloat16, torch.float16) and all(
-                (n, k, 1) in CONFIGS for n, k in shapes)
+            from omnistage.engine.ar.triton_gemv import has_configs  # triton: lazily
+            shapes = [tuple(w.shape) for w in (self.w_qkv, self.self_attn.o_proj.weight,
+                                                self.w_gate_up, self.mlp.down_proj.weight)]
+            self._gemv_tuned = has_configs(shapes, self.w_qkv.dtype)
         return self._gemv_tuned
 
     def uses_fused_rope_kv(self, device: torch.device) -> bool:

@@ -140,16 +140,9 @@ class ModelRunner:
         variant, min_tokens on and off."""
         if self.graphs is None or not self.config.graph_warmup:
             return
-        flag_sets = set()
-        for p in params:
-            for greedy, banned in itertools.product((p.greedy, True), (False, True)):
-                flag_sets.add(None if self.graphs.sampler is None else
-                              SamplingFlags(greedy, p.top_k > 0 and not greedy,
-                                            p.top_p < 1 and not greedy,
-                                            p.min_p > 0 and not greedy, p.needs_penalties,
-                                            banned))
+        flag_sets = warmup_flag_sets(params) if self.graphs.sampler is not None else [None]
         with torch.inference_mode():
-            self.graphs.warmup(additive_width, sorted(flag_sets, key=str),
+            self.graphs.warmup(additive_width, flag_sets,
                                lazy=self.config.graph_warmup_plan == "lazy")
             if self.prefill_graphs is not None:
                 self.prefill_graphs.warmup()
@@ -422,6 +415,18 @@ class ModelRunner:
                 out[seq.request_id] = (seq.num_computed_tokens + batch.ahead, hidden[off:off + n])
             off += n
         return out
+
+
+def warmup_flag_sets(params: list[SamplingParams]) -> list[SamplingFlags]:
+    """The SamplingFlags whose head graphs ModelRunner.warmup_graphs captures for these params
+    (also what their sampler kernels compile for: engine/ar/kernels_ahead_ar.py)."""
+    flag_sets = set()
+    for p in params:
+        for greedy, banned in itertools.product((p.greedy, True), (False, True)):
+            flag_sets.add(SamplingFlags(greedy, p.top_k > 0 and not greedy,
+                                        p.top_p < 1 and not greedy, p.min_p > 0 and not greedy,
+                                        p.needs_penalties, banned))
+    return sorted(flag_sets, key=str)
 
 
 def _check_tensor_parallel(model, config: EngineConfig, tp) -> None:

@@ -16,11 +16,16 @@ does); log/exp/sums may differ from torch's by ulps, so draws can differ only at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from omnistage.engine.ar.sampler import U_MAX
+from omnistage.engine.ar.sampler import U_MAX, SamplingFlags
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
 
 _NEG_INF = tl.constexpr(float("-inf"))
 _U_MAX = tl.constexpr(U_MAX)  # u below 1 (sampler.hashed_uniform's clamp, the same value)
@@ -265,39 +270,88 @@ def _warp_draw_kernel(vals_ptr, ids_ptr, pa_ptr, pb_ptr, slots_ptr, steps_ptr, f
     _emit(r, tok, slot, force_ptr, counts_ptr, out_ptr, V, FLAGS)
 
 
+# NOTE: Triton (3.6) hashes a kernel with the constexpr globals of the helpers it calls only
+# where a helper was hashed before (JITFunction.cache_key merges the helper's used globals
+# before computing them), so a kernel's cache key depended on which kernel of the process
+# compiled first: _finish_kernel after _warp_draw_kernel (both call _emit) got another key
+# than in a process that compiled it first, and its variant compiled ahead missed (H200, the
+# talker's warm-up). Hashing the helpers here, leaves first, gives every process the same keys.
+def _hash_helpers() -> None:
+    for helper in (_fmix32, _row_key, _neg_log_gumbel, _emit, _run_end, _sum_exp, _top_p_end,
+                   _top_p_end_up, _min_p_end):
+        _ = helper.cache_key  # computed once and kept by the JITFunction
+
+
+if not triton.knobs.runtime.interpret:
+    _hash_helpers()
+
+
 def sample_rows(state, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
                 force: torch.Tensor | None, flags, update: bool) -> torch.Tensor:
     """SamplerState.sample_rows through the kernels. logits [N, V] fp32; slots, steps, force
     [N] long -> ids [N] long. Capturable: fixed launch shapes, no host sync."""
-    N, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    block = 1024 if V <= 16384 else 2048
-    C = triton.cdiv(V, block)
-    mode = 0 if flags.all_greedy else (
-        1 if not (flags.any_top_k or flags.any_top_p or flags.any_min_p) else 2)
     dev = logits.device
-    out = torch.empty(N, dtype=torch.long, device=dev)
-    pa = torch.empty(N, C, dtype=torch.float32, device=dev)
-    pb = torch.empty(N, C, dtype=torch.int32 if mode < 2 else torch.float32, device=dev)
-    w = torch.empty(N, V, dtype=torch.float32, device=dev) if mode == 2 else pa
-    force_arg = force if force is not None else slots
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
     bits = sum(bit.value for bit, on in (
         (_PEN, flags.penalties), (_BAN, flags.banned), (_FORCE, force is not None),
         (_UPDATE, update), (_TOP_K, flags.any_top_k), (_TOP_P, flags.any_top_p),
         (_MIN_P, flags.any_min_p)) if on)
-    _prep_kernel[(N, C)](logits, logits.stride(0), slots, steps, state.bits, state.counts,
-                         state.fparams, state.iparams, w, pa, pb, V, C, bits, MODE=mode,
-                         BLOCK=block, num_warps=4,
-                         enable_fp_fusion=False)  # mul, sub rounded as torch does
+    _launch(launch, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev),
+            lambda w: torch.sort(w, dim=-1, stable=True), state, logits, slots, steps, force,
+            sampler_mode(flags), bits, out)
+    return out
+
+
+def sampler_mode(flags: SamplingFlags) -> int:
+    """_prep_kernel's MODE for a step's SamplingFlags: 0 all greedy, 1 Gumbel draws without
+    warpers, 2 warped logits (top-k, top-p or min-p: then sorted and drawn by warp_draw)."""
+    if flags.all_greedy:
+        return 0
+    return 1 if not (flags.any_top_k or flags.any_top_p or flags.any_min_p) else 2
+
+
+def _launch(run: Callable[..., Any], empty: Callable[..., Any], sort: Callable[..., Any],
+            state: Any, logits: Any, slots: Any, steps: Any, force: Any, mode: int, bits: int,
+            out: Any, tail: bool = True) -> None:
+    """The launches of sample_rows (logits contiguous rows, out [N] allocated), by
+    run(kernel, grid, *args, **kwargs): kernels_ahead.launch, or CompileOnly on TensorSpecs
+    (compile_ahead); empty(shape, dtype) allocates, sort(w) -> (values, ids) of each row in
+    ascending stable order. tail: False stops after the prep kernel (compile_ahead)."""
+    N, V = logits.shape
+    block = 1024 if V <= 16384 else 2048
+    C = triton.cdiv(V, block)
+    pa = empty((N, C), torch.float32)
+    pb = empty((N, C), torch.int32 if mode < 2 else torch.float32)
+    w = empty((N, V), torch.float32) if mode == 2 else pa
+    force_arg = force if force is not None else slots
+    run(_prep_kernel, (N, C), logits, logits.stride(0), slots, steps, state.bits, state.counts,
+        state.fparams, state.iparams, w, pa, pb, V, C, bits, MODE=mode, BLOCK=block,
+        num_warps=4, enable_fp_fusion=False)  # mul, sub rounded as torch does
+    if not tail:
+        return
     cblock = triton.next_power_of_2(C)
     if mode < 2:
-        _finish_kernel[(N,)](pa, pb, slots, force_arg, state.counts, out, V, C, bits,
-                             CBLOCK=cblock, num_warps=1)
-        return out
-    vals, ids = torch.sort(w, dim=-1, stable=True)
-    _warp_draw_kernel[(N,)](vals, ids, pa, pb, slots, steps, force_arg, state.fparams,
-                            state.iparams, state.counts, out, V, C, bits,
-                            BLOCK=256 if V <= 16384 else 1024, CBLOCK=cblock,
-                            num_warps=4 if V <= 16384 else 8)
-    return out
+        run(_finish_kernel, (N,), pa, pb, slots, force_arg, state.counts, out, V, C, bits,
+            CBLOCK=cblock, num_warps=1)
+        return
+    vals, ids = sort(w)
+    run(_warp_draw_kernel, (N,), vals, ids, pa, pb, slots, steps, force_arg, state.fparams,
+        state.iparams, state.counts, out, V, C, bits, BLOCK=256 if V <= 16384 else 1024,
+        CBLOCK=cblock, num_warps=4 if V <= 16384 else 8)
+
+
+def compile_ahead(vocab_size: int, mode: int, tail: bool) -> list[str]:
+    """Compile, without launching, what sample_rows launches for logits [N, vocab_size] in
+    `mode` (sampler_mode): the prep kernel, and with `tail` the kernel after it (finish, or
+    warp_draw in mode 2), on a SamplerState's tensors and the step's fresh slots/steps
+    (engine/kernels_ahead.py runs it in a process of its own). Returns the cache keys."""
+    new, V = TensorSpec.empty, vocab_size
+    state = SimpleNamespace(bits=new((2, V), torch.uint8), counts=new((2, V), torch.float32),
+                            fparams=new((2, 6), torch.float32), iparams=new((2, 3), torch.long))
+    run = CompileOnly()
+    rows = new((1,), torch.long)
+    _launch(run, new, lambda w: (new(w.shape, torch.float32), new(w.shape, torch.long)), state,
+            new((1, V), torch.float32), rows, rows, None, mode, 0, new((1,), torch.long), tail)
+    return run.keys

@@ -16,12 +16,15 @@ shapes depend only on B, the head counts and ``block_tables.shape``).
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
+from omnistage.engine.ar.triton_pdl import pdl_flags, pdl_kwargs, pdl_wait
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
 
 _LOG2E = 1.4426950408889634
 _DECODE_BLOCK_N = 64  # key tokens per tile
@@ -277,7 +280,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch
 
     Tuned on an H100 (Qwen2.5-7B heads): B=1/len 4096 -> 32 splits (9 us), B=64/len 4096 -> 2.
     """
-    want = math.ceil(2 * _num_sms(device) / max(1, batch * num_kv_heads))
+    return num_splits_for(batch, num_kv_heads, max_len, _num_sms(device))
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_len: int, sms: int) -> int:
+    """choose_num_splits on a GPU of `sms` SMs (compile_ahead_decode: read by its lister)."""
+    want = math.ceil(2 * sms / max(1, batch * num_kv_heads))
     return max(1, min(want, math.ceil(max_len / 128), 64))
 
 
@@ -293,8 +301,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # seq_lens: [B] int32 -> out [B, H, D] in q's dtype
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
-    group, head_dim = _check_cache(q, k_cache, v_cache, block_tables)
-    batch, num_heads = q.shape[0], q.shape[1]
+    _check_cache(q, k_cache, v_cache, block_tables)
+    batch = q.shape[0]
     if seq_lens.shape != (batch,) or block_tables.shape[0] < batch:
         raise ValueError("seq_lens must be [batch] and block_tables must have >= batch rows")
     if q.stride(2) != 1:
@@ -305,17 +313,32 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return _decode(launch, _empty(q.device), q, k_cache, v_cache, block_tables, seq_lens,
+                   scale, num_splits, pdl_kwargs(q.device, pdl))
+
+
+def _empty(device: torch.device) -> Callable[..., torch.Tensor]:
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
+
+
+def _decode(run: Callable[..., Any], empty: Callable[..., Any], q: Any, k_cache: Any,
+            v_cache: Any, block_tables: Any, seq_lens: Any, scale: float, num_splits: int,
+            flags: dict[str, Any]) -> Any:
+    """The launches of paged_decode_attention (checked inputs), by run(kernel, grid, *args,
+    **kwargs): kernels_ahead.launch, or CompileOnly on TensorSpecs (compile_ahead_decode);
+    empty(shape, dtype) allocates. Returns out [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = empty(tuple(q.shape), q.dtype)
     if num_splits > 1:
-        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
+        part_out = empty((batch, num_heads, num_splits, head_dim), torch.float32)
+        part_lse = empty((batch, num_heads, num_splits), torch.float32)
     else:
         part_out = part_lse = out  # unused by the kernel
     d_pad = _pow2(head_dim)
-    launch = pdl_kwargs(q.device, pdl)  # seq_lens must not come from the kernel right before
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    # (PDL: seq_lens must not come from the kernel right before)
+    run(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -326,15 +349,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=_pow2(group), HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_N=_DECODE_BLOCK_N, NUM_SPLITS=num_splits,
         IEEE=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
-        num_warps=4, **launch,
-    )
+        num_warps=4, **flags)
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
+        run(_decode_reduce_kernel, (batch, num_heads),
             part_out, part_lse, out, num_heads,
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), num_warps=1, **launch,
-        )
+            S_PAD=triton.next_power_of_2(num_splits), num_warps=1, **flags)
     return out
+
+
+def compile_ahead_decode(num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                         dtype: torch.dtype, num_splits: int, max_blocks: int,
+                         tables_offset: int, lens_offset: int, pdl: bool,
+                         capability: tuple[int, int]) -> list[str]:
+    """Compile, without launching, what paged_decode_attention launches with num_splits for
+    q [B, num_heads, head_dim] and caches [_, page, num_kv_heads, head_dim] of `dtype`, block
+    tables [B, max_blocks] and seq_lens int32 at these byte offsets past 16-byte boundaries,
+    on a GPU of this capability with the switch pdl (engine/kernels_ahead.py runs it in a
+    process of its own). Returns the cache keys."""
+    cache = TensorSpec.empty((1, page, num_kv_heads, head_dim), dtype)
+    run = CompileOnly()
+    _decode(run, TensorSpec.empty, TensorSpec.empty((1, num_heads, head_dim), dtype), cache,
+            cache, TensorSpec(torch.int32, (1, max_blocks), offset=tables_offset),
+            TensorSpec(torch.int32, (1,), offset=lens_offset), head_dim ** -0.5, num_splits,
+            pdl_flags(pdl, capability))
+    return run.keys
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -350,7 +389,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # q: [T, H, D]; query_start_loc: [B+1] int32; seq_lens: [B] int32 -> out [T, H, D]
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    group, head_dim = _check_cache(q, k_cache, v_cache, block_tables)
+    _check_cache(q, k_cache, v_cache, block_tables)
     batch = seq_lens.shape[0]
     if query_start_loc.shape != (batch + 1,) or block_tables.shape[0] < batch:
         raise ValueError("query_start_loc must be [batch + 1]; block_tables needs >= batch rows")
@@ -358,13 +397,23 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     if q.stride(2) != 1:
         q = q.contiguous()
-    num_tokens, num_heads = q.shape[0], q.shape[1]
+    return _prefill(launch, _empty(q.device), q, k_cache, v_cache, block_tables,
+                    query_start_loc, seq_lens, max_query_len, scale)
+
+
+def _prefill(run: Callable[..., Any], empty: Callable[..., Any], q: Any, k_cache: Any,
+             v_cache: Any, block_tables: Any, query_start_loc: Any, seq_lens: Any,
+             max_query_len: int, scale: float) -> Any:
+    """The launch of paged_prefill_attention (checked inputs), as _decode's."""
+    num_tokens, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    group = num_heads // num_kv_heads
+    out = empty((num_tokens, num_heads, head_dim), q.dtype)
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, _PREFILL_BLOCK_M // group_pad)
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    _prefill_kernel[grid](
+    run(_prefill_kernel, grid,
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -375,9 +424,22 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim), PAGE=page,
         BLOCK_Q=block_q, BLOCK_N=_PREFILL_BLOCK_N,
         IEEE=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
-        num_warps=_PREFILL_WARPS, num_stages=_PREFILL_STAGES,
-    )
+        num_warps=_PREFILL_WARPS, num_stages=_PREFILL_STAGES)
     return out
+
+
+def compile_ahead_prefill(num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                          dtype: torch.dtype, max_blocks: int) -> list[str]:
+    """Compile, without launching, what paged_prefill_attention launches for q [T, num_heads,
+    head_dim] and caches [_, page, num_kv_heads, head_dim] of `dtype`, block tables
+    [B, max_blocks] (its metadata: aligned allocations). Returns the cache keys."""
+    new = TensorSpec.empty
+    cache = new((1, page, num_kv_heads, head_dim), dtype)
+    run = CompileOnly()
+    _prefill(run, new, new((16, num_heads, head_dim), dtype), cache, cache,
+             new((1, max_blocks), torch.int32), new((2,), torch.int32), new((1,), torch.int32),
+             16, head_dim ** -0.5)
+    return run.keys
 
 
 def bench_decode(batch: int, seq_len: int, num_heads: int = 28, num_kv_heads: int = 4,

@@ -28,13 +28,16 @@ operands are upcast; the tests account for the truncation).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
+from omnistage.engine.ar.triton_pdl import pdl_flags, pdl_kwargs, pdl_wait
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
 
 _INTERPRET = triton.knobs.runtime.interpret  # Triton's own TRITON_INTERPRET
 if _INTERPRET:
@@ -104,11 +107,24 @@ def _num_sms(device: torch.device) -> int:
 def pick_config(n_rows: int, k: int, m: int, dtype: torch.dtype, silu: bool, norm: bool,
                 device: torch.device) -> GemvConfig:
     """The table's entry for bf16/fp16 (N, K, M bucket), else the heuristic."""
+    return choose_config(n_rows, k, m, dtype, silu, norm, _num_sms(device))
+
+
+def choose_config(n_rows: int, k: int, m: int, dtype: torch.dtype, silu: bool, norm: bool,
+                  sms: int) -> GemvConfig:
+    """pick_config on a GPU of `sms` SMs (compile_ahead: read by its lister)."""
     bucket = 1 if m == 1 else 8
     elem = torch.finfo(dtype).bits // 8
     if elem == 2 and (n_rows, k, bucket) in CONFIGS:
         return CONFIGS[(n_rows, k, bucket)]
-    return _heuristic(n_rows, k, bucket, elem, silu, norm, _num_sms(device))
+    return _heuristic(n_rows, k, bucket, elem, silu, norm, sms)
+
+
+def has_configs(shapes: list[tuple[int, int]], dtype: torch.dtype) -> bool:
+    """Whether every weight [N, K] of `shapes` has a measured 1-row config in `dtype` (what
+    DecoderLayer.gemv_tuned asks of a layer's four weights)."""
+    return dtype in (torch.bfloat16, torch.float16) and all(
+        (n, k, 1) in CONFIGS for n, k in shapes)
 
 
 @triton.jit
@@ -345,22 +361,39 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     if M == 0 or N == 0:
         return out
     cfg = config or pick_config(n_rows, K, M, w.dtype, silu, ln_w is not None, x.device)
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=x.device)
+
+    _launch(launch, empty, lambda n_tiles: _arrival_counts(w, n_tiles), x, w, b, ln_w, eps,
+            residual, silu, cfg, fused_reduce, scale, out, pdl_kwargs(x.device, pdl))
+    return out
+
+
+def _launch(run: Callable[..., Any], empty: Callable[..., Any], counts: Callable[[int], Any],
+            x: Any, w: Any, b: Any, ln_w: Any, eps: float, residual: Any, silu: bool,
+            cfg: GemvConfig, fused_reduce: bool, scale: Any, out: Any,
+            flags: dict[str, Any]) -> None:
+    """The launches of _gemv (checked inputs, out [M, N] allocated), by run(kernel, grid,
+    *args, **kwargs): kernels_ahead.launch, or CompileOnly on TensorSpecs (compile_ahead).
+    empty(shape, dtype): a buffer; counts(n_tiles): the weight's arrival counters."""
+    M, K = x.shape
+    N = out.shape[1]
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(K, k_split)
     m_pad = 16 if cfg.use_dot else triton.next_power_of_2(M)
     width = 2 * N if silu else N
-    part = torch.empty(splits, M, width, dtype=torch.float32, device=x.device) \
-        if splits > 1 else out
+    part = empty((splits, M, width), torch.float32) if splits > 1 else out
     dummy = out  # stands in for absent pointers (never read: constexpr-guarded)
     res = residual if residual is not None else dummy
     flags = dict(HAS_BIAS=b is not None, SILU_MUL=silu, HAS_RES=residual is not None,
-                 HAS_SCALE=scale is not None, **pdl_kwargs(x.device, pdl))
+                 HAS_SCALE=scale is not None, **flags)
     scale_arg = scale if scale is not None else dummy
     n_tiles = triton.cdiv(N, cfg.block_n)
     fused = splits > 1 and fused_reduce
-    _gemv_kernel[(n_tiles, splits)](
+    run(_gemv_kernel, (n_tiles, splits),
         x, ln_w if ln_w is not None else dummy, w, b if b is not None else dummy, res, out,
-        part, _arrival_counts(w, n_tiles) if fused else out, scale_arg,
+        part, counts(n_tiles) if fused else out, scale_arg,
         M, N, K, k_split, float(eps), x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_K=max(16, min(triton.next_power_of_2(K), 8192 // m_pad)),
@@ -371,10 +404,33 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     if splits > 1 and not fused:
         m_red = triton.next_power_of_2(M)
         block = max(16, 1024 // m_red)
-        _reduce_kernel[(triton.cdiv(N, block),)](
+        run(_reduce_kernel, (triton.cdiv(N, block),),
             part, b if b is not None else dummy, res, out, scale_arg, M, N, splits, res.stride(0),
             out.stride(0), M_PAD=m_red, BLOCK_N=block, num_warps=4, **flags)
-    return out
+
+
+GEMVS = ("norm_gemv", "norm_gemv_silu_mul", "gemv_residual")
+
+
+def compile_ahead(op: str, n_rows: int, k: int, m: int, dtype: torch.dtype, has_bias: bool,
+                  fused_reduce: bool, pdl: bool, capability: tuple[int, int],
+                  sms: int) -> list[str]:
+    """Compile, without launching, what `op` (one of GEMVS) launches for x [m, k] and its
+    weight [n_rows, k] of `dtype` (bias if has_bias), on a GPU of this capability and SM count
+    with the switches pdl / fused_reduce (engine/kernels_ahead.py runs it in a process of its
+    own). Returns the cache keys."""
+    if op not in GEMVS:
+        raise ValueError(f"op: {op!r}; one of {GEMVS}")
+    silu, res = op == "norm_gemv_silu_mul", op == "gemv_residual"
+    new = TensorSpec.empty
+    n = n_rows // 2 if silu else n_rows
+    run = CompileOnly()
+    _launch(run, new, lambda n_tiles: new((n_tiles,), torch.int32), new((m, k), dtype),
+            new((n_rows, k), dtype), new((n_rows,), dtype) if has_bias else None,
+            None if res else new((k,), dtype), 1e-6, new((m, n), dtype) if res else None, silu,
+            choose_config(n_rows, k, m, dtype, silu, not res, sms), fused_reduce, None,
+            new((m, n), dtype), pdl_flags(pdl, capability))
+    return run.keys
 
 
 def norm_gemv(x: torch.Tensor, ln_w: torch.Tensor, eps: float, w: torch.Tensor,

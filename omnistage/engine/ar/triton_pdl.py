@@ -27,8 +27,8 @@ _INTERPRET = triton.knobs.runtime.interpret  # Triton's own TRITON_INTERPRET
 
 
 @functools.lru_cache(maxsize=8)
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def pdl_kwargs(device: torch.device, enabled: bool = True) -> dict[str, Any]:
@@ -37,7 +37,16 @@ def pdl_kwargs(device: torch.device, enabled: bool = True) -> dict[str, Any]:
     if not enabled or _INTERPRET or device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _hopper(index) else {}
+    return pdl_flags(True, _capability(index))
+
+
+def pdl_flags(enabled: bool, capability: tuple[int, int] | None) -> dict[str, Any]:
+    """pdl_kwargs for a device of this compute capability (None: not a CUDA device). NOTE: the
+    kernels compiled ahead (engine/kernels_ahead.py) pass the capability that their lister read
+    in the stage's process, so both launches decide here."""
+    if not enabled or _INTERPRET or capability is None or capability[0] < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 @triton.jit

@@ -13,11 +13,15 @@ on T and the head counts (no host syncs): CUDA-graph capturable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from omnistage.engine.ar.triton_pdl import pdl_kwargs, pdl_wait
+from omnistage.engine.ar.triton_pdl import pdl_flags, pdl_kwargs, pdl_wait
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
 
 _TILE_ELEMS = 1024  # elements (heads x head_dim) one program rotates
 
@@ -119,15 +123,40 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
+    _launch(launch, qkv, cos, sin, q, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+            head_dim, pdl_kwargs(qkv.device, pdl))
+    return q
+
+
+def _launch(run: Callable[..., Any], qkv: Any, cos: Any, sin: Any, q: Any, k_cache: Any,
+            v_cache: Any, slot_mapping: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+            flags: dict[str, Any]) -> None:
+    """The launch of rope_write_kv (checked inputs, q allocated), by run(kernel, grid, *args,
+    **kwargs): kernels_ahead.launch, or CompileOnly on TensorSpecs (compile_ahead)."""
     half_pad = triton.next_power_of_2(head_dim // 2)
     rope_heads = num_heads + num_kv_heads
     block_h = max(1, min(triton.next_power_of_2(rope_heads), _TILE_ELEMS // (2 * half_pad)))
-    grid = (T, triton.cdiv(rope_heads, block_h))
-    _rope_write_kv_kernel[grid](
+    grid = (qkv.shape[0], triton.cdiv(rope_heads, block_h))
+    run(_rope_write_kv_kernel, grid,
         qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, HKV=num_kv_heads, HD=head_dim, HALF_PAD=half_pad, BLOCK_H=block_h,
-        PAGE=k_cache.shape[1], num_warps=4, enable_fp_fusion=False, **pdl_kwargs(qkv.device, pdl))
-    return q
+        PAGE=k_cache.shape[1], num_warps=4, enable_fp_fusion=False, **flags)
+
+
+def compile_ahead(num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                  dtype: torch.dtype, pdl: bool, capability: tuple[int, int]) -> list[str]:
+    """Compile, without launching, what rope_write_kv launches for qkv of `dtype` and caches
+    [_, page, num_kv_heads, head_dim] of `dtype` (its other inputs: fresh allocations), on a
+    GPU of this capability with the switch pdl (engine/kernels_ahead.py runs it in a process of
+    its own). Returns the cache keys."""
+    new = TensorSpec.empty
+    cache = new((1, page, num_kv_heads, head_dim), dtype)
+    rope = new((1, head_dim), torch.float32)
+    run = CompileOnly()
+    _launch(run, new((1, (num_heads + 2 * num_kv_heads) * head_dim), dtype), rope, rope,
+            new((1, num_heads, head_dim), dtype), cache, cache, new((1,), torch.long), num_heads,
+            num_kv_heads, head_dim, pdl_flags(pdl, capability))
+    return run.keys

@@ -6,15 +6,20 @@ seeds) and wires its routes: thinker rows -> the talker's adapter, talker codes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from omnistage.checkpoint import load_generation_config
 from omnistage.config.schema import PipelineConfig
+from omnistage.engine.ar.kernels_ahead_ar import DecoderDims, ar_kernel_jobs
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.models.fp8_decoder import quantize_decoder
 from omnistage.models.qwen2_5_omni.code2wav_options import pop_code2wav_options
 from omnistage.engine.gen import GenStageWorker
+from omnistage.engine.kernels_ahead import KernelJob
+from omnistage.models.layers import DecoderConfig
 from omnistage.models.qwen2_5_omni.code2wav_stage import (Code2WavRequest, build_code2wav_stage,
                                                           code2wav_kernels_ahead)
 from omnistage.models.qwen2_5_omni.processor import Qwen2_5OmniInputProcessor
@@ -25,7 +30,8 @@ from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM
 from omnistage.models.qwen2_5_omni.voices import load_voices
 from omnistage.models.omni_pipeline import ThinkerTalkerPipeline, talker_worker, thinker_worker
 from omnistage.models.registry import ADAPTER_REGISTRY, register_pipeline, register_stage
-from omnistage.runtime.build import StageContext, build_stage_model
+from omnistage.runtime.build import (StageContext, build_stage_model, generation_defaults,
+                                     stage_engine_config)
 from omnistage.runtime.orchestrator import RuntimeRequest
 from omnistage.runtime.stage import ARStageWorker
 from omnistage.sampling_params import SamplingParams, stage_seed
@@ -34,7 +40,37 @@ SAMPLE_RATE = 24000
 DEFAULT_VOICE = "Chelsie"
 
 
-@register_stage("Qwen2_5OmniThinker", "ar")
+def _ar_kernels_ahead(ctx: StageContext, cfg: DecoderConfig, max_position_embeddings: int,
+                      params: Callable[[], SamplingParams], dense_gemvs: bool = True
+                      ) -> list[KernelJob]:
+    """An AR stage's Triton kernel variants (engine/ar/kernels_ahead_ar.py) for its decoder
+    config, engine options (as thinker_worker/talker_worker read them) and warm-up params."""
+    if ctx.device.type != "cuda" or ctx.tensor_parallel_size > 1:
+        return []
+    engine = stage_engine_config(max_position_embeddings, ctx.options["engine"], ctx.stage.engine)
+    return ar_kernel_jobs(DecoderDims.from_config(cfg), ctx.dtype, engine, ctx.device,
+                          [ctx.stage.default_sampling.apply(params())], dense_gemvs=dense_gemvs)
+
+
+def thinker_kernels_ahead(ctx: StageContext) -> list[KernelJob]:
+    """The thinker LM's kernel variants (its encoders' are left to its build)."""
+    text = ctx.config["thinker_config"]["text_config"]
+    cfg = DecoderConfig.from_hf(
+        text, attention_bias=Qwen2_5OmniThinkerForCausalLM.attention_bias(text))
+    return _ar_kernels_ahead(ctx, cfg, text.get("max_position_embeddings", 32768),
+                             lambda: generation_defaults(load_generation_config(ctx.path)),
+                             dense_gemvs=ctx.options.get("quantization") != "fp8")
+
+
+def talker_kernels_ahead(ctx: StageContext) -> list[KernelJob]:
+    """The talker's kernel variants (its config parsed as Qwen2_5OmniTalkerForCausalLM's)."""
+    model_cfg = ctx.config["talker_config"]
+    cfg = DecoderConfig.from_hf(dict(model_cfg, tie_word_embeddings=False), attention_bias=True)
+    return _ar_kernels_ahead(ctx, cfg, model_cfg.get("max_position_embeddings", 32768),
+                             lambda: talker_default_params(talker_token_ids(model_cfg)[0]))
+
+
+@register_stage("Qwen2_5OmniThinker", "ar", kernels_ahead=thinker_kernels_ahead)
 def build_thinker(ctx: StageContext) -> ARStageWorker:
     tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(ctx.path).tokenizer
     model = build_stage_model(Qwen2_5OmniThinkerForCausalLM, ctx.config["thinker_config"], ctx,
@@ -44,7 +80,7 @@ def build_thinker(ctx: StageContext) -> ARStageWorker:
     return thinker_worker(ctx, model, tokenizer)
 
 
-@register_stage("Qwen2_5OmniTalker", "ar")
+@register_stage("Qwen2_5OmniTalker", "ar", kernels_ahead=talker_kernels_ahead)
 def build_talker(ctx: StageContext) -> ARStageWorker:
     model_cfg = ctx.config["talker_config"]
     model = build_stage_model(Qwen2_5OmniTalkerForCausalLM, model_cfg, ctx, "talker.")
