@@ -114,6 +114,9 @@ def build_ar_engine(ctx: StageContext, model: torch.nn.Module, cfg: EngineConfig
         cfg = dataclasses.replace(cfg, tensor_parallel_size=tp, devices=devices)
     with startup.phase("engine"):
         engine = AREngine(model, cfg, ctx.device, ctx.dtype, tokenizer, eos_token_ids)
+    if ctx.kernels_ready is not None:
+        with startup.phase("kernels_ahead"):
+            ctx.kernels_ready()
     with startup.phase("graphs"):
         engine.runner.warmup_graphs([warm_params], row_width)
     return engine
@@ -168,6 +171,9 @@ class StageContext:
     devices: tuple[torch.device, ...] = ()
     tensor_parallel_size: int = 1  # the stage's own (StagePlacement.tp)
     replica: int = 0  # which of the stage's `replicas` this is
+    # waits for the Triton kernels compiled ahead for this stage (build_stages; an AR stage's
+    # engine calls it just before its graphs: its weights load meanwhile); None: none listed
+    kernels_ready: Callable[[], None] | None = None
 
     @property
     def name(self) -> str:
@@ -180,13 +186,16 @@ class StageContext:
 
 def build_stage_worker(path, config: dict, pipeline: PipelineConfig, name: str,
                        device: torch.device, dtype: torch.dtype, options: dict[str, Any],
-                       placement: StagePlacement | None = None):
+                       placement: StagePlacement | None = None,
+                       kernels_ready: Callable[[], None] | None = None):
     """A stage's worker from its YAML `model` through the registry (here or in a stage
     process): no pipeline names its stages' classes. `placement`: which replica, on which
-    devices (None: one replica on `device`)."""
+    devices (None: one replica on `device`). kernels_ready: StageContext's."""
     from omnistage.models.registry import STAGE_BUILDERS
     placement = placement or StagePlacement(0, (str(device),), 1)
-    ctx = stage_context(path, config, pipeline, name, device, dtype, options, placement)
+    ctx = dataclasses.replace(
+        stage_context(path, config, pipeline, name, device, dtype, options, placement),
+        kernels_ready=kernels_ready)
     with on_device(ctx.devices[0]):  # its warm-up kernels and graphs go to its own GPU
         return build_ranks(ctx, STAGE_BUILDERS[ctx.stage.model].build, placement)
 
@@ -282,21 +291,39 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
                     path, config, pipeline, stage.name, dev, dt, options, placement, kind)
             else:
                 local.append((unit, stage, dev, dt, placement))
+    from omnistage.models.registry import STAGE_BUILDERS
     ahead = start_kernels_ahead(path, config, pipeline, local, options)
     try:
         for unit, stage, dev, dt, placement in local:
             with startup.phase(unit):
-                if ahead.listed(unit):
-                    with startup.phase("kernels_ahead"):
-                        ahead.wait(unit)
+                ready = _WaitOnce(ahead, unit) if ahead.listed(unit) else None
+                if ready is not None and STAGE_BUILDERS[stage.model].kind != "ar":
+                    with startup.phase("kernels_ahead"):  # (its warm-up is in its build)
+                        ready()
                 try:
                     workers[unit] = build_stage_worker(path, config, pipeline, stage.name, dev,
-                                                       dt, options, placement)
+                                                       dt, options, placement, ready)
                 except ValueError as e:  # e.g. num_kv_blocks: which stage did not fit
                     raise ValueError(f"stage {unit}: {e}") from e
+                if ready is not None:
+                    ready()  # (a builder that did not call it: its jobs are collected here)
     finally:
         ahead.close()
     return workers, process_stages
+
+
+@dataclass
+class _WaitOnce:
+    """A unit's KernelsAhead.wait, run once (later calls return at once)."""
+
+    ahead: KernelsAhead
+    unit: str
+    done: bool = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.ahead.wait(self.unit)
 
 
 def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig, local: list[LocalUnit],

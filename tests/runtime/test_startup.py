@@ -131,3 +131,48 @@ def test_warmup_leaves_no_graph_for_the_first_requests(ckpt, request):
             assert _graph_keys(llm) == after_warmup, text
     finally:
         llm.shutdown()
+
+
+def test_kernels_ahead_are_awaited_where_each_stage_first_needs_them(tiny_omni_dir,
+                                                                      monkeypatch):
+    # an AR stage waits for its kernels compiled ahead after its weights and engine, just
+    # before its graphs (the first stage's load overlaps its jobs); a generation stage, whose
+    # warm-up is inside its build, before its build; each unit once
+    import contextlib
+
+    from omnistage.runtime import build
+    events: list[str] = []
+
+    class Ahead:
+        def listed(self, unit: str) -> bool:
+            return True
+
+        def wait(self, unit: str) -> list:
+            events.append(f"wait {unit}")
+            return []
+
+        def close(self) -> None:
+            events.append("close")
+
+    real_phase = startup.phase
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        events.append(name)
+        with real_phase(name):
+            yield
+
+    monkeypatch.setattr(build, "start_kernels_ahead", lambda *args: Ahead())
+    monkeypatch.setattr(startup, "phase", phase)
+    with OmniLLM(str(tiny_omni_dir), device="cpu") as llm:
+        phases = dict(llm.startup_seconds)
+    for unit in ("thinker", "talker"):
+        at = events.index(unit)
+        mine = events[at:events.index("graphs", at) + 1]
+        assert mine[-3:] == ["kernels_ahead", f"wait {unit}", "graphs"], mine
+        assert "weights" in mine and "engine" in mine
+        assert f"{unit}.kernels_ahead" in phases
+    at = events.index("code2wav")
+    assert events[at + 1:at + 3] == ["kernels_ahead", "wait code2wav"], events[at:]
+    assert sorted(e for e in events if e.startswith("wait")) == [
+        "wait code2wav", "wait talker", "wait thinker"]
