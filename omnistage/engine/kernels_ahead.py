@@ -5,10 +5,11 @@ kernel on its first launch, inside its warm-up, one after another; Triton's LLVM
 GIL, so threads do not overlap them. A stage builder that knows its variants before its build
 (models/registry.StageBuilder.kernels_ahead) lists them as KernelJobs: build_stages
 (runtime/build.py) compiles them in spawned processes when the pipeline's build starts, into the
-on-disk Triton cache (config/env.compile_cache_dirs), and waits for them just before that stage's
-build, whose first launch of each variant then loads it from the cache. On a warm start the
-processes find every variant cached and end. A job that fails is logged, and the stage compiles
-that variant itself on first use, as it would without this.
+on-disk Triton cache (config/env.compile_cache_dirs); a stage takes them before its first
+launches (runtime/build.py says when), which then load them from the cache. A job whose kernels
+the cache holds already is not run (engine/kernels_ledger.py): a warm start spawns no process.
+A job that fails or is not done is logged, and the stage compiles that variant itself on first
+use, as it would without this.
 
 The processes never touch the GPU: Triton's driver is replaced there by the target's
 description (compute capability), so they take no device memory.
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from omnistage.engine.kernels_ledger import KernelLedger, job_id
 
 log = logging.getLogger(__name__)
 
@@ -134,59 +137,96 @@ def cuda_target(device: torch.device) -> tuple[str, int, int]:
 
 
 @dataclass
+class _Entry:
+    """A listed job: its ledger id, and its future (None: found compiled, its `result`)."""
+
+    job: str
+    future: Future | None
+    result: Any = None
+
+
+@dataclass
 class KernelsAhead:
-    """Jobs compiling in child processes, by the stage unit that listed them."""
+    """Jobs compiling in child processes, by the stage unit that listed them; jobs whose
+    kernels the Triton cache holds already (engine/kernels_ledger.py) are not run."""
 
     pool: ProcessPoolExecutor | None = None
-    futures: dict[str, list[Future]] = field(default_factory=dict)
+    entries: dict[str, list[_Entry]] = field(default_factory=dict)
+    ledger: KernelLedger | None = None
 
     @classmethod
     def start(cls, jobs: dict[str, tuple[tuple[str, int, int], list[KernelJob]]]
               ) -> KernelsAhead:
         """Start every unit's jobs, each for its unit's target (cuda_target; a no-op with
         none)."""
-        n = sum(len(js) for _, js in jobs.values())
-        if n == 0:
+        if not any(js for _, js in jobs.values()):
             return cls()
-        workers = max(1, min(n, (os.cpu_count() or 2) // 2))
-        # a process per job: no job sees another's kernels in Triton's in-memory cache
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                   max_tasks_per_child=1)
-        ahead = cls(pool)
+        ahead = cls(ledger=KernelLedger.load())
+        todo: list[tuple[_Entry, KernelJob, tuple[str, int, int]]] = []
         for unit, (target, js) in jobs.items():
-            if js:
-                ahead.futures[unit] = [pool.submit(_run, job, target) for job in js]
-        log.info("compiling %d Triton kernel variants ahead in %d processes", n, workers)
+            for job in js:
+                jid = job_id(job.compile, job.args, target)
+                found = ahead.ledger.compiled(jid)
+                entry = _Entry(jid, None, found)
+                ahead.entries.setdefault(unit, []).append(entry)
+                if found is None:
+                    todo.append((entry, job, target))
+        if todo:
+            workers = max(1, min(len(todo), (os.cpu_count() or 2) // 2))
+            # a process per job: no job sees another's kernels in Triton's in-memory cache
+            ahead.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                             max_tasks_per_child=1)
+            for entry, job, target in todo:
+                entry.future = ahead.pool.submit(_run, job, target)
+        n = sum(len(es) for es in ahead.entries.values())
+        log.info("kernels ahead: %d Triton kernel variants listed, %d found compiled, %d "
+                 "compiling", n, n - len(todo), len(todo))
         return ahead
 
     def listed(self, unit: str) -> bool:
-        return bool(self.futures.get(unit))
+        """Whether any of the unit's jobs is running (one found compiled needs no wait)."""
+        return any(e.future is not None for e in self.entries.get(unit, ()))
 
     def wait(self, unit: str, timeout: float = WAIT_SECONDS) -> list[Any]:
-        """Before `unit`'s build: its jobs done (or failed, or timed out: it compiles them).
-        Returns each job's result (None where it failed or is not done)."""
-        futures = self.futures.pop(unit, [])
+        """Before `unit`'s first launches: its jobs done (or failed, or past `timeout`: it
+        compiles those itself). Returns each job's result (None where it failed or is not
+        done)."""
+        entries = self.entries.pop(unit, [])
+        futures = [e.future for e in entries if e.future is not None]
         _, pending = wait_futures(futures, timeout=timeout)
         results = []
-        for f in futures:
-            if f in pending:
+        for e in entries:
+            f = e.future
+            if f is None:
+                results.append(e.result)
+            elif f in pending:
+                self.entries.setdefault("", []).append(e)  # (recorded at close if it ends)
                 results.append(None)
-            elif (e := f.exception()) is not None:
+            elif (err := f.exception()) is not None:
                 log.warning("stage %s: a kernel compiled ahead failed (%s: %s); its first "
-                            "launch compiles it", unit, type(e).__name__, e)
+                            "launch compiles it", unit, type(err).__name__, err)
                 results.append(None)
             else:
                 seconds, result = f.result()
                 log.info("stage %s: kernel compiled ahead in %.1f s", unit, seconds)
+                self.ledger.record(e.job, result)
                 results.append(result)
         if pending:
-            log.warning("stage %s: %d kernels compiled ahead not done in %.0f s; its first "
-                        "launches compile them", unit, len(pending), timeout)
-        if not self.futures:
+            log.info("stage %s: %d kernels compiled ahead not done in %.0f s; its first "
+                     "launches compile them", unit, len(pending), timeout)
+        if not any(k for k in self.entries if k):
             self.close()
         return results
 
     def close(self) -> None:
+        """Record what finished, let the processes go (those still compiling finish)."""
+        for e in (e for es in self.entries.values() for e in es):
+            f = e.future
+            if f is not None and f.done() and not f.cancelled() and f.exception() is None:
+                self.ledger.record(e.job, f.result()[1])
+        self.entries.clear()
+        if self.ledger is not None:
+            self.ledger.save()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None

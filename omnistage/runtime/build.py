@@ -18,7 +18,7 @@ from omnistage.config.schema import (MAX_STAGE_DEVICES, EngineOptions, PipelineC
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.ar.scheduler import EngineConfig, engine_config
 from omnistage.engine.ar.tp_workers import start_workers
-from omnistage.engine.kernels_ahead import KernelsAhead, cuda_target
+from omnistage.engine.kernels_ahead import WAIT_SECONDS, KernelsAhead, cuda_target
 from omnistage.layers.parallel import current_tp, tensor_parallel
 from omnistage.layers.symm_all_reduce import check_mode
 from omnistage.runtime.process import StageProcessSpec, stage_process_spec
@@ -296,8 +296,10 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
     try:
         for unit, stage, dev, dt, placement in local:
             with startup.phase(unit):
-                ready = _WaitOnce(ahead, unit) if ahead.listed(unit) else None
-                if ready is not None and STAGE_BUILDERS[stage.model].kind != "ar":
+                ar = STAGE_BUILDERS[stage.model].kind == "ar"
+                ready = (_WaitOnce(ahead, unit, AR_WAIT_SECONDS if ar else WAIT_SECONDS)
+                         if ahead.listed(unit) else None)
+                if ready is not None and not ar:
                     with startup.phase("kernels_ahead"):  # (its warm-up is in its build)
                         ready()
                 try:
@@ -312,18 +314,27 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
     return workers, process_stages
 
 
+# NOTE (why AR stages do not wait): an AR stage takes the jobs done by the time its graphs start
+# and compiles the rest itself. The 7B thinker, the first stage, waited 7.7 s of a cold start on
+# the H200 for its 14 jobs (a process each) and its graphs then took 11.9 s against 15.7 s
+# without them (benchmarks/results/
+# qwen2_5_omni_pipeline_gpu_h200_startup_session26_issue24_2026-11-29.json)
+AR_WAIT_SECONDS = 0.0
+
+
 @dataclass
 class _WaitOnce:
     """A unit's KernelsAhead.wait, run once (later calls return at once)."""
 
     ahead: KernelsAhead
     unit: str
+    timeout: float
     done: bool = False
 
     def __call__(self) -> None:
         if not self.done:
             self.done = True
-            self.ahead.wait(self.unit)
+            self.ahead.wait(self.unit, self.timeout)
 
 
 def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig, local: list[LocalUnit],

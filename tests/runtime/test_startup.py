@@ -135,20 +135,22 @@ def test_warmup_leaves_no_graph_for_the_first_requests(ckpt, request):
 
 def test_kernels_ahead_are_awaited_where_each_stage_first_needs_them(tiny_omni_dir,
                                                                       monkeypatch):
-    # an AR stage waits for its kernels compiled ahead after its weights and engine, just
-    # before its graphs (the first stage's load overlaps its jobs); a generation stage, whose
-    # warm-up is inside its build, before its build; each unit once
+    # an AR stage takes its kernels compiled ahead after its weights and engine, just before
+    # its graphs, without waiting for those not done (it compiles them); a generation stage,
+    # whose warm-up is inside its build, waits for them before its build; each unit once
     import contextlib
 
     from omnistage.runtime import build
     events: list[str] = []
+    timeouts: dict[str, float] = {}
 
     class Ahead:
         def listed(self, unit: str) -> bool:
             return True
 
-        def wait(self, unit: str) -> list:
+        def wait(self, unit: str, timeout: float) -> list:
             events.append(f"wait {unit}")
+            timeouts[unit] = timeout
             return []
 
         def close(self) -> None:
@@ -176,3 +178,5 @@ def test_kernels_ahead_are_awaited_where_each_stage_first_needs_them(tiny_omni_d
     assert events[at + 1:at + 3] == ["kernels_ahead", "wait code2wav"], events[at:]
     assert sorted(e for e in events if e.startswith("wait")) == [
         "wait code2wav", "wait talker", "wait thinker"]
+    assert timeouts == {"thinker": build.AR_WAIT_SECONDS, "talker": build.AR_WAIT_SECONDS,
+                        "code2wav": build.WAIT_SECONDS} and build.AR_WAIT_SECONDS == 0
