@@ -10,6 +10,10 @@ EngineConfig, its warm-up's sampling params and two facts of its GPU (the comput
 PDL; the SM count: GEMV split-K and decode splits), read here in the stage's process. Each
 kernel file's compile_ahead runs the same launch code as its real launch, on TensorSpecs.
 
+No stage registers these yet: on an H200 they did not shorten a cold 7B start as wired
+(models/qwen2_5_omni/pipeline.py's note has the numbers); the listers are there and tested
+(cache keys equal to the real launches') for when they do.
+
 Left out (the stage compiles them on first use, as without this):
   - tensor-parallel stages (a rank's heads and vocabulary shards; no GEMVs);
   - with fused_rope_kv off: attention and rope (q is then the compiled input kernel's view,
