@@ -362,15 +362,22 @@ def test_launch_returns_while_the_decode_is_queued(t2w: Qwen2_5OmniToken2Wav,
     assert launched.busy_seconds() >= 0 and stage.requests["a"].next_chunk == 1
 
 
+def _dit_args(dec: Qwen2_5OmniCode2WavDecoder, stream: Qwen2_5OmniCode2WavStream,
+              bucket: int = 3, width: int = 96) -> list[torch.Tensor]:
+    """sample()'s inputs for a padded batch with CFG: a window clipped at frame 0, one inside,
+    and padding rows."""
+    buf = dec.new_dit_inputs(bucket, width)
+    dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
+    return [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+
+
 def test_compiled_steps_equal_eager(t2w: Qwen2_5OmniToken2Wav) -> None:
     # the ODE through the inductor-compiled step functions (the CUDA graphs' default) vs eager,
     # on a padded batch with CFG: one window clipped at frame 0, one inside, one padding row
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
     stream = _stream(t2w, 1, 70)
     with torch.inference_mode():
-        buf = dec.new_dit_inputs(3, 96)
-        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
-        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        args = _dit_args(dec, stream)
         eager = dec.fast.sample(*args)
         compiled = dec.fast.sample(*args, compiled=True)
     assert eager[:2].abs().max() > 1.0 and not eager[2].any()
@@ -388,9 +395,7 @@ def test_interval_cursor_equals_the_time_table(t2w: Qwen2_5OmniToken2Wav) -> Non
     fast, cursor = dec.fast, IntervalCursor(dec.fast)
     assert cursor.intervals == len(fast.widths) == 9
     with torch.inference_mode():
-        buf = dec.new_dit_inputs(3, 96)
-        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
-        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        args = _dit_args(dec, stream)
         for compiled in (False, True):
             table, by_cursor = fast.begin(*args), fast.begin(*args)
             for i in range(cursor.intervals):
@@ -410,9 +415,7 @@ def test_cursor_intervals_run_the_code_compile_for_compiled(t2w: Qwen2_5OmniToke
     dec = Qwen2_5OmniCode2WavDecoder(t2w, pad_batch=True)
     stream = _stream(t2w, 1, 70)
     with torch.inference_mode():
-        buf = dec.new_dit_inputs(3, 96)
-        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
-        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        args = _dit_args(dec, stream)
         dec.fast.compile_for(*args)
         frames = counters["stats"]["unique_graphs"]
         cursor = IntervalCursor(dec.fast)
@@ -434,9 +437,7 @@ def test_compiled_steps_reuse_code_across_shapes(t2w: Qwen2_5OmniToken2Wav) -> N
     stream = _stream(t2w, 1, 70)
 
     def run(bucket: int, width: int) -> torch.Tensor:
-        buf = dec.new_dit_inputs(bucket, width)
-        dec.fill_dit_inputs(buf, [(stream, 0), (stream, 3)])
-        args = [buf[k] for k in ("noise", "codes", "spk", "cond", "start", "nvalid")]
+        args = _dit_args(dec, stream, bucket, width)
         dec.fast.compile_for(*args)
         compiled = dec.fast.sample(*args, compiled=True)
         diff = float((compiled - dec.fast.sample(*args)).abs().max())
