@@ -19,6 +19,7 @@ import faulthandler
 import importlib.machinery
 import io
 import json
+import logging
 import os
 import pstats
 import shutil
@@ -901,6 +902,10 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
+    # omnistage's warnings, and what the kernels compiled ahead did (listed, found compiled,
+    # compiled, failed or not done), in the run's log
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("omnistage.engine.kernels_ahead").setLevel(logging.INFO)
     asyncio.run(main_async(args, res, save))
     c1, c32 = res["runs"].get("c1"), res["runs"].get("c32")
     if isinstance(c1, dict):
