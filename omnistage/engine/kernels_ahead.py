@@ -152,6 +152,7 @@ class KernelsAhead:
 
     pool: ProcessPoolExecutor | None = None
     entries: dict[str, list[_Entry]] = field(default_factory=dict)
+    unfinished: list[_Entry] = field(default_factory=list)  # past a wait: recorded at close
     ledger: KernelLedger | None = None
 
     @classmethod
@@ -200,7 +201,7 @@ class KernelsAhead:
             if f is None:
                 results.append(e.result)
             elif f in pending:
-                self.entries.setdefault("", []).append(e)  # (recorded at close if it ends)
+                self.unfinished.append(e)
                 results.append(None)
             elif (err := f.exception()) is not None:
                 log.warning("stage %s: a kernel compiled ahead failed (%s: %s); its first "
@@ -214,17 +215,18 @@ class KernelsAhead:
         if pending:
             log.info("stage %s: %d kernels compiled ahead not done in %.0f s; its first "
                      "launches compile them", unit, len(pending), timeout)
-        if not any(k for k in self.entries if k):
+        if not self.entries:
             self.close()
         return results
 
     def close(self) -> None:
         """Record what finished, let the processes go (those still compiling finish)."""
-        for e in (e for es in self.entries.values() for e in es):
+        for e in [e for es in self.entries.values() for e in es] + self.unfinished:
             f = e.future
             if f is not None and f.done() and not f.cancelled() and f.exception() is None:
                 self.ledger.record(e.job, f.result()[1])
         self.entries.clear()
+        self.unfinished.clear()
         if self.ledger is not None:
             self.ledger.save()
         if self.pool is not None:

@@ -10,6 +10,7 @@ is still on disk, so a cleared cache, another Triton or an edited kernel file ru
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import inspect
 import json
@@ -27,10 +28,15 @@ LEDGER = "omnistage_kernels_ahead.json"
 def job_id(compile_fn: Any, args: tuple, target: tuple[str, int, int]) -> str:
     """What a job compiles, as one key."""
     import triton
-    source = Path(inspect.getsourcefile(compile_fn)).read_bytes()
     text = repr((compile_fn.__module__, compile_fn.__qualname__, args, target,
-                 triton.__version__, hashlib.sha256(source).hexdigest()))
+                 triton.__version__, _source_hash(inspect.getsourcefile(compile_fn))))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=32)
+def _source_hash(path: str) -> str:
+    # (read once per process: a stage lists many jobs of one kernel file)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def result_keys(result: Any) -> list[str] | None:

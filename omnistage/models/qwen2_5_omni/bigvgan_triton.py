@@ -17,10 +17,15 @@ Both accumulate in fp32 (inputs fp32, bf16 or fp16; the output has x's dtype).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 from triton import knobs
+
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
 
 if knobs.runtime.interpret:
     _math = tl  # the CPU interpreter implements tl.sin/tl.exp, not libdevice
@@ -175,15 +180,24 @@ def anti_aliased_snake(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
+    tile_block = launch_tile(B * C, L, variant, block)[1]
+    if variant == "gather" and tile_block < 8:
+        raise ValueError(f"block: the gather variant needs >= 8, got {tile_block}")
+    _launch(launch, x, y, alpha.contiguous(), beta.contiguous(),
+            filt.reshape(-1).float().contiguous(), variant, fast_sin, block)
+    return y
+
+
+def _launch(run: Callable[..., Any], x: Any, y: Any, alpha: Any, beta: Any, filt: Any,
+            variant: str, fast_sin: bool, block: int | None = None) -> None:
+    """The launch of anti_aliased_snake (checked inputs), by run(kernel, grid, *args,
+    **kwargs): kernels_ahead.launch, or CompileOnly on TensorSpecs (compile_ahead)."""
+    B, C, L = x.shape
     gather = variant == "gather"
     rows, block = launch_tile(B * C, L, variant, block)
-    if gather and block < 8:
-        raise ValueError(f"block: the gather variant needs >= 8, got {block}")
     grid = (triton.cdiv(B * C, rows), triton.cdiv(L, block - 6 if gather else block))
-    _aa_snake_kernel[grid](x, y, alpha.contiguous(), beta.contiguous(),
-                           filt.reshape(-1).float().contiguous(), B * C, C, L, ROWS=rows,
-                           BLOCK=block, GATHER=gather, FAST_SIN=fast_sin, num_warps=NUM_WARPS)
-    return y
+    run(_aa_snake_kernel, grid, x, y, alpha, beta, filt, B * C, C, L, ROWS=rows, BLOCK=block,
+        GATHER=gather, FAST_SIN=fast_sin, num_warps=NUM_WARPS)
 
 
 def launch_tile(rows_total: int, L: int, variant: str, block: int | None = None
@@ -214,9 +228,10 @@ def compile_ahead(shape: tuple[int, int, int], variant: str, x_dtype: torch.dtyp
     """Compile the variant `anti_aliased_snake` launches for x [B, C, L] of x_dtype (alpha and
     beta of param_dtype), without launching it (engine/kernels_ahead.py runs this in a process
     of its own). Returns its cache key."""
-    from omnistage.engine.kernels_ahead import warm_up
-    B, C, L = shape
-    rows, block = launch_tile(B * C, L, variant)
-    return warm_up(_aa_snake_kernel, x_dtype, x_dtype, param_dtype, param_dtype, torch.float32,
-                   B * C, C, L, ROWS=rows, BLOCK=block, GATHER=variant == "gather",
-                   FAST_SIN=False, num_warps=NUM_WARPS)
+    new = TensorSpec.empty
+    params = new((shape[1],), param_dtype)
+    run = CompileOnly()
+    _launch(run, new(shape, x_dtype), new(shape, x_dtype), params, params,
+            new((12,), torch.float32), variant, False)
+    (key,) = run.keys
+    return key
