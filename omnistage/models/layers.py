@@ -285,9 +285,14 @@ class DecoderLayer(nn.Module):
         """Whether triton_gemv's table has measured 1-row configs for this layer's weights."""
         if self._gemv_tuned is None:
             from omnistage.engine.ar.triton_gemv import has_configs  # triton: lazily
-            shapes = [tuple(w.shape) for w in (self.w_qkv, self.self_attn.o_proj.weight,
-                                                self.w_gate_up, self.mlp.down_proj.weight)]
-            self._gemv_tuned = has_configs(shapes, self.w_qkv.dtype)
+            a, m = self.self_attn, self.mlp
+
+            def fused(linears: list[nn.Linear]) -> tuple[int, int]:  # (fuse() may not have run)
+                return sum(lin.weight.shape[0] for lin in linears), linears[0].weight.shape[1]
+
+            shapes = [fused([a.q_proj, a.k_proj, a.v_proj]), tuple(a.o_proj.weight.shape),
+                      fused([m.gate_proj, m.up_proj]), tuple(m.down_proj.weight.shape)]
+            self._gemv_tuned = has_configs(shapes, a.q_proj.weight.dtype)
         return self._gemv_tuned
 
     def uses_fused_rope_kv(self, device: torch.device) -> bool:
