@@ -17,7 +17,7 @@ class _Weights(torch.nn.Module):
         self.big = torch.nn.Parameter(torch.empty(300, 1000, dtype=torch.bfloat16))
         self.odd = torch.nn.Parameter(torch.empty(7, 3001, dtype=torch.bfloat16))  # odd bytes
         self.small = torch.nn.Parameter(torch.empty(16, dtype=torch.bfloat16))
-        self.half = torch.nn.Parameter(torch.empty(64, 1000, dtype=torch.float16))  # converted
+        self.converted = torch.nn.Parameter(torch.empty(64, 1000, dtype=torch.float16))
 
 
 def test_takes_only_large_same_dtype_gpu_copies() -> None:
@@ -35,7 +35,7 @@ def test_staged_copies_equal_the_checkpoint(tmp_path, monkeypatch) -> None:
     ckpt = {"big": torch.randn(300, 1000, generator=g).bfloat16(),
             "odd": torch.randn(7, 3001, generator=g).bfloat16(),
             "small": torch.randn(16, generator=g).bfloat16(),
-            "half": torch.randn(64, 1000, generator=g)}  # float32 on disk
+            "converted": torch.randn(64, 1000, generator=g)}  # float32 on disk
     save_file(ckpt, str(tmp_path / "model.safetensors"))
     with torch.device("cuda"):
         module = _Weights()
