@@ -313,6 +313,30 @@ def trace_triton_compiles() -> None:
     knobs.runtime.jit_post_compile_hook = hook
 
 
+TRITON_BUILDS: list[tuple[str, bool]] = []  # (kernel, cache hit) of each triton.compile
+
+
+def trace_triton_builds() -> None:
+    """Record each triton.compile in this process from now on: compiled, or loaded from the
+    on-disk cache (a variant compiled ahead, or by an earlier run)."""
+    import triton
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return
+
+    def listener(*, src, cache_hit: bool, **_) -> None:
+        TRITON_BUILDS.append((str(getattr(src, "name", "?")), bool(cache_hit)))
+    knobs.compilation.listener = listener
+
+
+def triton_build_counts() -> dict[str, list[int]]:
+    """kernel name -> [variants compiled, variants loaded from the cache]."""
+    out: dict[str, list[int]] = {}
+    for name, hit in TRITON_BUILDS:
+        out.setdefault(name, [0, 0])[1 if hit else 0] += 1
+    return dict(sorted(out.items()))
+
+
 def host_call_totals(calls: list[tuple]) -> dict[str, list]:
     """what -> [calls, total host seconds, largest seconds]."""
     out: dict[str, list] = {}
@@ -640,6 +664,7 @@ async def main_async(args, res: dict, save) -> None:
     top = max(conc + [int(c) for a in [args.oneshot, *(getattr(args, f) for f in ROUND_MODES)]
                       for c in a.split(",") if c]
               + ([args.staggered_c] if args.staggered_modes else []))
+    trace_triton_builds()  # (the load's compiles and cache loads)
     llm = AsyncOmniLLM(model=str(ckpt), device=dev.type, max_model_len=2048, pipeline=pipeline,
                        max_num_seqs=top, max_num_batched_tokens=max(2048, 64 * top),
                        code2wav_window=window, code2wav_dit_dtype=args.code2wav_dtype,
@@ -657,6 +682,8 @@ async def main_async(args, res: dict, save) -> None:
     # what the load compiled and captured (dynamo frames: one per compile, recompiles too)
     res["dynamo_frames_at_load"] = dynamo_frames()
     res["code2wav_graphs_at_load"] = stage_graphs(llm)
+    # the Triton kernels the load compiled in this process, and those it loaded compiled
+    res["triton_builds_at_load"] = triton_build_counts()
     res["quantization"], res["gpu_memory_budget_GiB"] = args.quantization, args.gpu_memory_budget
     c2w = llm.pipeline.workers.get("code2wav")
     if getattr(getattr(c2w, "model", None), "_decoder", None) is not None:

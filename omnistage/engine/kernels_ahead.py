@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from omnistage.engine.kernels_ledger import KernelLedger, job_id
+from omnistage.layers.compile import pin_triton_ptxas
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class KernelsAhead:
                 if found is None:
                     todo.append((entry, job, target))
         if todo:
+            pin_triton_ptxas()  # (the processes inherit it: layers/compile.py says why)
             workers = max(1, min(len(todo), (os.cpu_count() or 2) // 2))
             # a process per job: no job sees another's kernels in Triton's in-memory cache
             ahead.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),

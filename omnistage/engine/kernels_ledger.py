@@ -2,8 +2,8 @@
 kernels_ahead.py): a warm start then spawns no process for them.
 
 A job's kernels are known by the cache keys it returned (Triton's compile hashes). The ledger,
-a JSON file in Triton's cache dir, maps a job (its function, arguments, target, Triton version
-and the source of its module) to those keys; a job counts as done only while every key's entry
+a JSON file in Triton's cache dir, maps a job (its function, arguments, target, Triton version,
+ptxas and the source of its module) to those keys; a job counts as done only while every key's entry
 is still on disk, so a cleared cache, another Triton or an edited kernel file runs it again.
 """
 
@@ -26,10 +26,12 @@ LEDGER = "omnistage_kernels_ahead.json"
 
 
 def job_id(compile_fn: Any, args: tuple, target: tuple[str, int, int]) -> str:
-    """What a job compiles, as one key."""
+    """What a job compiles, as one key (with the ptxas it compiles with: Triton's keys hash
+    its version, layers/compile.pin_triton_ptxas)."""
     import triton
     text = repr((compile_fn.__module__, compile_fn.__qualname__, args, target,
-                 triton.__version__, _source_hash(inspect.getsourcefile(compile_fn))))
+                 triton.__version__, _source_hash(inspect.getsourcefile(compile_fn)),
+                 os.environ.get("TRITON_PTXAS_PATH")))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -281,9 +281,8 @@ def test_qwen2_5_omni_thinker_and_talker_list_their_variants(tmp_path, monkeypat
     from omnistage.models.qwen2_5_omni import pipeline
     from omnistage.models.registry import STAGE_BUILDERS
     monkeypatch.setattr(kernels_ahead_ar.GpuFacts, "of", classmethod(lambda cls, dev: FACTS))
-    # (not registered yet: pipeline.py's note says why)
-    assert STAGE_BUILDERS["Qwen2_5OmniThinker"].kernels_ahead is None
-    assert STAGE_BUILDERS["Qwen2_5OmniTalker"].kernels_ahead is None
+    assert STAGE_BUILDERS["Qwen2_5OmniThinker"].kernels_ahead is pipeline.thinker_kernels_ahead
+    assert STAGE_BUILDERS["Qwen2_5OmniTalker"].kernels_ahead is pipeline.talker_kernels_ahead
     thinker = pipeline.thinker_kernels_ahead(_omni_ctx(tmp_path, "thinker"))
     talker = pipeline.talker_kernels_ahead(_omni_ctx(tmp_path, "talker"))
     gemvs = {"thinker": [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)],

@@ -70,13 +70,7 @@ def talker_kernels_ahead(ctx: StageContext) -> list[KernelJob]:
                              lambda: talker_default_params(talker_token_ids(model_cfg)[0]))
 
 
-# NOTE (why the AR stages do not register their listers yet): on one H200, listing them (34 jobs
-# with code2wav's) made a cold 7B start slower, 48.1 s against 46.1 s, with the thinker waiting
-# for its jobs; taking only finished jobs made the thinker 15.5 s against 18.9 s and the talker
-# 6.2 s against 10.1 s, but code2wav's Snake kernels then compiled in its warm-up (a cold
-# start of 89 s; the cause not found: no device time left) (benchmarks/results/
-# qwen2_5_omni_pipeline_gpu_h200_startup_session26_issue24_2026-11-29.json)
-@register_stage("Qwen2_5OmniThinker", "ar")
+@register_stage("Qwen2_5OmniThinker", "ar", kernels_ahead=thinker_kernels_ahead)
 def build_thinker(ctx: StageContext) -> ARStageWorker:
     tokenizer = Qwen2_5OmniInputProcessor.from_pretrained(ctx.path).tokenizer
     model = build_stage_model(Qwen2_5OmniThinkerForCausalLM, ctx.config["thinker_config"], ctx,
@@ -86,7 +80,7 @@ def build_thinker(ctx: StageContext) -> ARStageWorker:
     return thinker_worker(ctx, model, tokenizer)
 
 
-@register_stage("Qwen2_5OmniTalker", "ar")
+@register_stage("Qwen2_5OmniTalker", "ar", kernels_ahead=talker_kernels_ahead)
 def build_talker(ctx: StageContext) -> ARStageWorker:
     model_cfg = ctx.config["talker_config"]
     model = build_stage_model(Qwen2_5OmniTalkerForCausalLM, model_cfg, ctx, "talker.")
