@@ -160,7 +160,7 @@ class KernelsAhead:
     def start(cls, jobs: dict[str, tuple[tuple[str, int, int], list[KernelJob]]]
               ) -> KernelsAhead:
         """Start every unit's jobs, each for its unit's target (cuda_target; a no-op with
-        none)."""
+        none), in the dict's order."""
         if not any(js for _, js in jobs.values()):
             return cls()
         ahead = cls(ledger=KernelLedger.load())
@@ -175,7 +175,8 @@ class KernelsAhead:
                     todo.append((entry, job, target))
         if todo:
             pin_triton_ptxas()  # (the processes inherit it: layers/compile.py says why)
-            workers = max(1, min(len(todo), (os.cpu_count() or 2) // 2))
+            # (the stages' builds keep a few cores: one thread each, and inductor's workers)
+            workers = max(1, min(len(todo), (os.cpu_count() or 2) - 4))
             # a process per job: no job sees another's kernels in Triton's in-memory cache
             ahead.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
                                              max_tasks_per_child=1)

@@ -315,10 +315,11 @@ def build_stages(path, config: dict, pipeline: PipelineConfig, stages: list[Stag
 
 
 # NOTE (why AR stages do not wait): an AR stage takes the jobs done by the time its graphs start
-# and compiles the rest itself. The 7B thinker, the first stage, waited 7.7 s of a cold start on
-# the H200 for its 14 jobs (a process each) and its graphs then took 11.9 s against 15.7 s
-# without them (benchmarks/results/
-# qwen2_5_omni_pipeline_gpu_h200_startup_session26_issue24_2026-11-29.json)
+# and compiles the rest itself; a launch still finds in the cache a variant that a job finished
+# meanwhile. The 7B thinker, the first stage, waited 7.7 s of a cold start on the H200 for its
+# 14 jobs (a process each) and its graphs then took 11.9 s against 15.7 s without them
+# (benchmarks/results/qwen2_5_omni_pipeline_gpu_h200_startup_session26_issue24_2026-11-29.json).
+# Code2wav waits for its Snake jobs, so they are submitted first.
 AR_WAIT_SECONDS = 0.0
 
 
@@ -352,7 +353,9 @@ def start_kernels_ahead(path, config: dict, pipeline: PipelineConfig, local: lis
             jobs[unit] = cuda_target(dev), listed(ctx)
         except Exception:  # noqa: BLE001 - only a head start: the build compiles them itself
             log.exception("stage %s: listing its kernels to compile ahead failed", unit)
-    return KernelsAhead.start(jobs)
+    # the jobs of stages that wait for theirs first (AR stages do not: AR_WAIT_SECONDS)
+    waits = {unit for unit, stage, *_ in local if STAGE_BUILDERS[stage.model].kind != "ar"}
+    return KernelsAhead.start(dict(sorted(jobs.items(), key=lambda kv: kv[0] not in waits)))
 
 
 def build_ranks(ctx: StageContext, build: Callable[[StageContext], Any],

@@ -133,6 +133,31 @@ def test_warmup_leaves_no_graph_for_the_first_requests(ckpt, request):
         llm.shutdown()
 
 
+def test_jobs_of_stages_that_wait_for_them_are_submitted_first(monkeypatch):
+    # code2wav waits for its kernels compiled ahead, the AR stages take those done in time:
+    # the pool starts code2wav's first although its stage builds last
+    import dataclasses
+
+    import torch
+
+    from omnistage.config.schema import load_pipeline
+    from omnistage.models.registry import STAGE_BUILDERS
+    from omnistage.runtime import build
+    started: dict[str, list] = {}
+    monkeypatch.setattr(build, "stage_context", lambda *args: None)
+    monkeypatch.setattr(build, "cuda_target", lambda dev: ("cuda", 90, 32))
+    monkeypatch.setattr(build.KernelsAhead, "start",
+                        classmethod(lambda cls, jobs: started.update(jobs)))
+    pipeline = load_pipeline("qwen2_5_omni")
+    for stage in pipeline.stages:
+        monkeypatch.setitem(STAGE_BUILDERS, stage.model, dataclasses.replace(
+            STAGE_BUILDERS[stage.model], kernels_ahead=lambda ctx, name=stage.name: [name]))
+    local = [(s.name, s, torch.device("cuda"), torch.bfloat16, None) for s in pipeline.stages]
+    build.start_kernels_ahead(None, {}, pipeline, local, {})
+    assert [unit for unit in started] == ["code2wav", "thinker", "talker"]
+    assert started["talker"] == (("cuda", 90, 32), ["talker"])
+
+
 def test_kernels_ahead_are_awaited_where_each_stage_first_needs_them(tiny_omni_dir,
                                                                       monkeypatch):
     # an AR stage takes its kernels compiled ahead after its weights and engine, just before
