@@ -35,6 +35,7 @@ from omnistage.layers.compile import pin_triton_ptxas
 log = logging.getLogger(__name__)
 
 WAIT_SECONDS = 300.0  # the most a stage's build waits for its jobs (then it compiles them)
+MAX_WORKERS = 12  # compiling processes at once (each holds torch and Triton: ~340 MB on the CPU)
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,9 @@ class KernelsAhead:
                     todo.append((entry, job, target))
         if todo:
             pin_triton_ptxas()  # (the processes inherit it: layers/compile.py says why)
-            # (the stages' builds keep a few cores: one thread each, and inductor's workers)
-            workers = max(1, min(len(todo), (os.cpu_count() or 2) - 4))
+            # (the stages' builds keep a few cores: one thread each, and inductor's workers;
+            # and memory: MAX_WORKERS at most)
+            workers = max(1, min(len(todo), (os.cpu_count() or 2) - 4, MAX_WORKERS))
             # a process per job: no job sees another's kernels in Triton's in-memory cache
             ahead.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
                                              max_tasks_per_child=1)
