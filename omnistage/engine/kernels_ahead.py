@@ -176,8 +176,8 @@ class KernelsAhead:
                     todo.append((entry, job, target))
         if todo:
             pin_triton_ptxas()  # (the processes inherit it: layers/compile.py says why)
-            # (the stages' builds keep a few cores: one thread each, and inductor's workers;
-            # and memory: MAX_WORKERS at most)
+            # a few cores stay with the stages' builds (a thread each, inductor's workers);
+            # MAX_WORKERS bounds the memory
             workers = max(1, min(len(todo), (os.cpu_count() or 2) - 4, MAX_WORKERS))
             # a process per job: no job sees another's kernels in Triton's in-memory cache
             ahead.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
