@@ -35,6 +35,12 @@ def compile_cache_dirs() -> tuple[str, str]:
     return inductor, triton
 
 
+def triton_ptxas_path() -> str | None:
+    """Triton's TRITON_PTXAS_PATH (set by layers/compile.pin_triton_ptxas as inductor would):
+    the ptxas whose version Triton's cache keys hash, for the kernels ledger's job ids."""
+    return os.environ.get("TRITON_PTXAS_PATH")
+
+
 def quiet_tokenizer_threads() -> None:
     """HF tokenizers' own thread pool off unless the user set it (it warns after a fork)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omnistage.config import env
+
 log = logging.getLogger(__name__)
 
 LEDGER = "omnistage_kernels_ahead.json"
@@ -31,7 +33,7 @@ def job_id(compile_fn: Any, args: tuple, target: tuple[str, int, int]) -> str:
     import triton
     text = repr((compile_fn.__module__, compile_fn.__qualname__, args, target,
                  triton.__version__, _source_hash(inspect.getsourcefile(compile_fn)),
-                 os.environ.get("TRITON_PTXAS_PATH")))
+                 env.triton_ptxas_path()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
