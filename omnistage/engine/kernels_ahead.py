@@ -111,6 +111,12 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
     return kernel[grid](*args, **kwargs)
 
 
+def empty_on(device: torch.device) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """`empty(shape, dtype)` of launch code shared with its compile-ahead path: a buffer on
+    `device` (TensorSpec.empty when compiling ahead)."""
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class CompileOnly:
     """`run` of launch code called on TensorSpecs: compiles each launch instead (warm_up) and

@@ -92,6 +92,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 # lazy warm-up: batch sizes up to this are captured at load (a first burst of requests)
+def decode_input_offsets(max_size: int) -> dict[str, int]:
+    """Where each static input of DecodeGraphs (largest batch size `max_size`) starts in its
+    int32 buffer, in elements (the block tables last, max_blocks per row)."""
+    M = max_size
+    return {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "sslot": 6 * M, "step": 7 * M,
+            "force": 8 * M, "lprow": 9 * M, "tables": 10 * M}
+
+
 LAZY_LOAD_SIZE = 4
 
 
@@ -162,9 +170,8 @@ class DecodeGraphs:
         M = self.max_size = self.sizes[-1]
         self.block_size, self.dummy_block, self.uses_mrope = block_size, dummy_block, uses_mrope
         MB = self.max_blocks = -(-max_model_len // block_size)
-        self._off = {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "sslot": 6 * M,
-                     "step": 7 * M, "force": 8 * M, "lprow": 9 * M, "tables": 10 * M}
-        total = 10 * M + M * MB
+        self._off = decode_input_offsets(M)
+        total = self._off["tables"] + M * MB
         cuda = device.type == "cuda"
         self.capture = cuda and not eager  # eager: replays rerun the functions
         # two of each host buffer (and its event): a step launched ahead is filled while the

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from omnistage.engine.ar.cuda_graphs import decode_input_offsets as graph_input_offsets
 from omnistage.engine.ar.cuda_graphs import graph_batch_sizes, graphs_enabled
 from omnistage.engine.ar.kernels import KernelOptions
 from omnistage.engine.ar.model_runner import warmup_flag_sets
@@ -77,9 +78,10 @@ class GpuFacts:
 
 def decode_input_offsets(max_size: int) -> tuple[int, int]:
     """(block tables, seq_lens) of the decode graphs: their byte offsets past a 16-byte
-    boundary (DecodeGraphs' int32 inputs: tables at 10 M, seq_lens at 5 M, M its largest batch
-    size). Triton specializes pointers on that alignment."""
-    return 4 * 10 * max_size % 16, 4 * 5 * max_size % 16
+    boundary (DecodeGraphs' int32 inputs, cuda_graphs.decode_input_offsets). Triton
+    specializes pointers on that alignment."""
+    off = graph_input_offsets(max_size)
+    return 4 * off["tables"] % 16, 4 * off["lens"] % 16
 
 
 def ar_kernel_jobs(dims: DecoderDims, dtype: torch.dtype, engine: EngineConfig,

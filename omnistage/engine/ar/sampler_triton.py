@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from omnistage.engine.ar.sampler import U_MAX, SamplingFlags
-from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, empty_on, launch
 
 _NEG_INF = tl.constexpr(float("-inf"))
 _U_MAX = tl.constexpr(U_MAX)  # u below 1 (sampler.hashed_uniform's clamp, the same value)
@@ -298,9 +298,8 @@ def sample_rows(state, logits: torch.Tensor, slots: torch.Tensor, steps: torch.T
         (_PEN, flags.penalties), (_BAN, flags.banned), (_FORCE, force is not None),
         (_UPDATE, update), (_TOP_K, flags.any_top_k), (_TOP_P, flags.any_top_p),
         (_MIN_P, flags.any_min_p)) if on)
-    _launch(launch, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev),
-            lambda w: torch.sort(w, dim=-1, stable=True), state, logits, slots, steps, force,
-            sampler_mode(flags), bits, out)
+    _launch(launch, empty_on(dev), lambda w: torch.sort(w, dim=-1, stable=True), state, logits,
+            slots, steps, force, sampler_mode(flags), bits, out)
     return out
 
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from omnistage.engine.ar.triton_pdl import pdl_flags, pdl_kwargs, pdl_wait
-from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, empty_on, launch
 
 _LOG2E = 1.4426950408889634
 _DECODE_BLOCK_N = 64  # key tokens per tile
@@ -240,8 +240,8 @@ def _prefill_kernel(
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor) -> tuple[int, int]:
-    """Validates shared inputs; returns (group size, head_dim)."""
+                 block_tables: torch.Tensor) -> None:
+    """Validates shared inputs."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache must be [num_blocks, block_size, kv_heads, head_dim] "
                          f"of equal shape, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
@@ -257,7 +257,6 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"q dtype {q.dtype} must match cache dtypes {k_cache.dtype}")
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
         raise ValueError("block_tables must be a 2-D int32 tensor [num_seqs, max_blocks_per_seq]")
-    return num_heads // num_kv_heads, head_dim
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -313,12 +312,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return _decode(launch, _empty(q.device), q, k_cache, v_cache, block_tables, seq_lens,
+    return _decode(launch, empty_on(q.device), q, k_cache, v_cache, block_tables, seq_lens,
                    scale, num_splits, pdl_kwargs(q.device, pdl))
-
-
-def _empty(device: torch.device) -> Callable[..., torch.Tensor]:
-    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 def _decode(run: Callable[..., Any], empty: Callable[..., Any], q: Any, k_cache: Any,
@@ -397,7 +392,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     if q.stride(2) != 1:
         q = q.contiguous()
-    return _prefill(launch, _empty(q.device), q, k_cache, v_cache, block_tables,
+    return _prefill(launch, empty_on(q.device), q, k_cache, v_cache, block_tables,
                     query_start_loc, seq_lens, max_query_len, scale)
 
 

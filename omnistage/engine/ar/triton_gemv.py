@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from omnistage.engine.ar.triton_pdl import pdl_flags, pdl_kwargs, pdl_wait
-from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, launch
+from omnistage.engine.kernels_ahead import CompileOnly, TensorSpec, empty_on, launch
 
 _INTERPRET = triton.knobs.runtime.interpret  # Triton's own TRITON_INTERPRET
 if _INTERPRET:
@@ -361,12 +361,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ln_w: torch.
     if M == 0 or N == 0:
         return out
     cfg = config or pick_config(n_rows, K, M, w.dtype, silu, ln_w is not None, x.device)
-
-    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=x.device)
-
-    _launch(launch, empty, lambda n_tiles: _arrival_counts(w, n_tiles), x, w, b, ln_w, eps,
-            residual, silu, cfg, fused_reduce, scale, out, pdl_kwargs(x.device, pdl))
+    _launch(launch, empty_on(x.device), lambda n_tiles: _arrival_counts(w, n_tiles), x, w, b,
+            ln_w, eps, residual, silu, cfg, fused_reduce, scale, out, pdl_kwargs(x.device, pdl))
     return out
 
 
