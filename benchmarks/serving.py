@@ -116,6 +116,8 @@ async def warm_then_measure(send, args, result: dict, snapshot, since,
         name = f"c{c}"
         before = snapshot()
         spy = start_py_spy(args, *profiled) if profiled and c == biggest else None
+        if spy is not None:
+            await asyncio.sleep(0.5)  # (py-spy attaches first: the level's start is sampled)
         try:
             result[name] = await bench.run_level(send, c, c)
         finally:
@@ -131,7 +133,9 @@ def start_py_spy(args, side: str, pid: int) -> tuple[subprocess.Popen, str] | No
         return None
     out = f"{args.py_spy}_{side}.txt"
     cmd = [args.py_spy_exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
-           "--nonblocking", "--rate", "200", "--subprocesses", "--output", out]
+           "--nonblocking", "--rate", str(args.py_spy_rate), "--subprocesses", "--output", out,
+           *(["--duration", str(args.py_spy_seconds)] if args.py_spy_seconds else []),
+           *(["--gil"] if args.py_spy_gil else [])]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True), out
 
@@ -293,6 +297,11 @@ def main() -> None:
                     help="sample each side's process with py-spy over the largest measured "
                     "level: folded stacks per thread in PREFIX_server.txt / PREFIX_engine.txt")
     ap.add_argument("--py-spy-exe", default="py-spy", help="the py-spy executable")
+    ap.add_argument("--py-spy-rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--py-spy-seconds", type=int, default=None,
+                    help="sample only the level's first seconds (default: all of it)")
+    ap.add_argument("--py-spy-gil", action="store_true",
+                    help="sample only the thread holding the GIL (who keeps the others waiting)")
     args = ap.parse_args()
     if args.py_spy and shutil.which(args.py_spy_exe) is None:
         ap.error(f"--py-spy-exe: {args.py_spy_exe!r} is not an executable on PATH")

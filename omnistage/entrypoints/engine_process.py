@@ -333,8 +333,10 @@ def engine_main(conn: Connection, model: str, options: dict[str, Any], log_level
         log.exception("engine: start-up failed")
         send_message(conn, lock, StartFailed(f"{type(e).__name__}: {e}"))
         return
+    from omnistage.entrypoints.openai.server import freeze_startup_heap, log_placement
+    # (this process serves until the server stops it)
+    llm.startup_seconds["engine_gc_freeze"] = freeze_startup_heap()
     server = _EngineServer(conn, lock, llm)
-    from omnistage.entrypoints.openai.server import log_placement
     log_placement(llm)
     reason = "start-up"
     try:

@@ -70,6 +70,38 @@ def test_block_manager_keeps_and_serves_rows():
     assert bm.match_prefix(_seq("e", ids)) == []
 
 
+def test_decode_rows_wait_as_views_until_their_block_is_full():
+    """One-row steps (decode) append views to the tail, with no copy per step; the rows of a
+    block are kept (copied) once it is full, equal to the rows the steps exported."""
+    bs = 4
+    bm = BlockManager(num_blocks=8, block_size=bs, enable_prefix_caching=True)
+    ids = list(range(300, 314))
+    rows = torch.randn(14, 6)
+    seq = _seq("d", ids)
+    _run_prefill(bm, seq, rows, [5])  # block 0 full; position 4 waits (a copy: 5-row step)
+    assert len(bm.rows_of) == 1
+    steps = [torch.randn(3, 6) for _ in range(9)]  # each step's output of a batch of 3
+    for k, step in enumerate(steps):  # positions 5..13, this sequence's row is step[1]
+        pos = 5 + k
+        bm.allocate(seq, pos + 1)
+        seq.num_computed_tokens += 1
+        bm.commit(seq)
+        rows[pos] = step[1]
+        bm.export_rows(seq, (pos, step[1:2]))
+        if seq.row_tail is None:  # this step filled a block: nothing waits
+            assert (pos + 1) % bs == 0
+            continue
+        first, pieces, count = seq.row_tail
+        assert first + count == pos + 1 and sum(p.shape[0] for p in pieces) == count
+        if count > 1:  # a one-row piece is the step's own row, not a copy
+            assert pieces[-1].data_ptr() == step[1].data_ptr()
+    assert len(bm.rows_of) == 3  # blocks 0, 1 (positions 4-7) and 2 (8-11)
+    for b, kept in enumerate(bm.rows_of.values()):
+        assert torch.equal(kept, rows[b * bs:(b + 1) * bs])
+    first, pieces, count = seq.row_tail
+    assert (first, count) == (12, 2) and torch.equal(torch.cat(pieces), rows[12:14])
+
+
 def test_exporting_sequence_hits_only_blocks_with_rows():
     bs = 4
     bm = BlockManager(num_blocks=8, block_size=bs, enable_prefix_caching=True)

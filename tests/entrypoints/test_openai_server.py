@@ -42,8 +42,10 @@ def test_engine_placement(server):
     not otherwise."""
     phases = {dict(labels)["phase"] for (name, labels) in scrape(server.url)
               if name == "omnistage_startup_seconds"}
-    assert {"total", "thinker", "runtime"} <= phases
+    assert {"total", "thinker", "runtime", "gc_freeze"} <= phases
     assert ("engine_process" in phases) == server.engine_process
+    # the engine process froze its own start-up heap too
+    assert ("engine_gc_freeze" in phases) == server.engine_process
 
 
 @pytest.fixture(scope="module")

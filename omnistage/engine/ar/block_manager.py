@@ -149,24 +149,36 @@ class BlockManager:
 
     def _keep_rows(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
         bs = self.block_size
+        # NOTE (tail pieces): a decode step hands one row per sequence. The rows of a block
+        # not yet full wait as a list of pieces, joined once when the block completes, not by
+        # a cat and a clone per sequence and step (64 small ops per thinker step at c32 on the
+        # runtime thread). A one-row piece is a view of its step's output ([batch, D]); the
+        # views of at most block_size steps are held. Longer pieces (a prefill's) are copied.
         tail = seq.row_tail
-        if tail is not None and tail[0] + tail[1].shape[0] == start:
-            start, rows = tail[0], torch.cat([tail[1], rows])
-        end = start + rows.shape[0]
-        first, last = -(-start // bs), min(end, seq.num_computed_tokens) // bs
-        if last > first:
-            hashes = self._full_block_hashes(seq, last)
-            for b in range(first, last):
-                h = hashes[b]
-                if h in self.hash_to_block and h not in self.rows_of:
-                    # (a copy: a view would keep the whole step's output alive)
-                    kept = rows[b * bs - start:(b + 1) * bs - start].clone()
-                    self.rows_of[h] = kept
-                    self.row_bytes += kept.nbytes
-                    while self.max_row_bytes is not None and self.row_bytes > self.max_row_bytes:
-                        self._drop_rows(next(iter(self.rows_of)))
+        if tail is not None and tail[0] + tail[2] == start:
+            first_pos, pieces, count = tail[0], [*tail[1], rows], tail[2] + rows.shape[0]
+        else:
+            first_pos, pieces, count = start, [rows], rows.shape[0]
+        end = first_pos + count
+        first, last = -(-first_pos // bs), min(end, seq.num_computed_tokens) // bs
+        if last <= first:  # no block completed: the rows wait
+            if rows.shape[0] > 1:
+                pieces[-1] = rows.clone()
+            seq.row_tail = (first_pos, pieces, count)
+            return
+        start, rows = first_pos, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        hashes = self._full_block_hashes(seq, last)
+        for b in range(first, last):
+            h = hashes[b]
+            if h in self.hash_to_block and h not in self.rows_of:
+                # (a copy: a view would keep the whole step's output alive)
+                kept = rows[b * bs - start:(b + 1) * bs - start].clone()
+                self.rows_of[h] = kept
+                self.row_bytes += kept.nbytes
+                while self.max_row_bytes is not None and self.row_bytes > self.max_row_bytes:
+                    self._drop_rows(next(iter(self.rows_of)))
         lo = max(last * bs, start)
-        seq.row_tail = (lo, rows[lo - start:].clone()) if lo < end else None
+        seq.row_tail = (lo, [rows[lo - start:].clone()], end - lo) if lo < end else None
 
     def _drop_rows(self, h: bytes) -> None:
         kept = self.rows_of.pop(h, None)

@@ -82,7 +82,8 @@ class Sequence:
     # hidden-row export with the prefix cache (BlockManager.export_rows): the rows of a fresh
     # hit, handed on with the first computed step; exported rows of a block not yet full
     cached_rows: torch.Tensor | None = None
-    row_tail: tuple[int, torch.Tensor] | None = None  # (first position, rows)
+    # (first position, row pieces in order, rows in all): BlockManager._keep_rows says why
+    row_tail: tuple[int, list[torch.Tensor], int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

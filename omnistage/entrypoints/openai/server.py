@@ -14,6 +14,7 @@ to `shutdown_timeout` seconds, end those left (a stream's error event `shutting_
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -328,6 +329,20 @@ async def warm_up_http(app: FastAPI) -> float:
     return time.perf_counter() - t0
 
 
+def freeze_startup_heap() -> float:
+    """Collect start-up's garbage, then gc.freeze() what is left (modules, the models' Python
+    objects, compiled graphs, caches: millions of objects) for the life of this serving
+    process; returns the seconds it took. The cyclic GC's oldest generation then scans only
+    what serving allocates: a full collection over the whole start-up heap paused the runtime
+    thread, and every stream with it, for about 0.2 s in the middle of a burst."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    seconds = time.perf_counter() - t0
+    log.info("start-up heap frozen: %d objects, %.2f s", gc.get_freeze_count(), seconds)
+    return seconds
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server with omnistage's shutdown, in order: stop accepting, drain for up to
     `shutdown_timeout`, end the requests left (error event and [DONE], or 503), stop the engine
@@ -368,6 +383,7 @@ def run_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8
             seconds = asyncio.run(warm_up_http(build_app(llm, config)))
             llm.startup_seconds["http_warmup"] = seconds
             log.info("warm-up request through the HTTP app: %.2f s", seconds)
+        llm.startup_seconds["gc_freeze"] = freeze_startup_heap()
         app = build_app(llm, config)
         log_placement(llm)
         # (uvicorn's own wait comes after the drain: for connections still open then)
