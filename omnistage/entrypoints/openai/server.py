@@ -333,8 +333,9 @@ def freeze_startup_heap() -> float:
     """Collect start-up's garbage, then gc.freeze() what is left (modules, the models' Python
     objects, compiled graphs, caches: millions of objects) for the life of this serving
     process; returns the seconds it took. The cyclic GC's oldest generation then scans only
-    what serving allocates: a full collection over the whole start-up heap paused the runtime
-    thread, and every stream with it, for about 0.2 s in the middle of a burst."""
+    what serving allocates, so a full collection, which can come in the middle of a burst,
+    stops the runtime thread (and every stream with it) for milliseconds, not for a scan of
+    the whole start-up heap (serving_h200_c32_gap_gc_freeze_row_tail_session28_*.json)."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
