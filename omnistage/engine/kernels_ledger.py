@@ -3,8 +3,9 @@ kernels_ahead.py): a warm start then spawns no process for them.
 
 A job's kernels are known by the cache keys it returned (Triton's compile hashes). The ledger,
 a JSON file in Triton's cache dir, maps a job (its function, arguments, target, Triton version,
-ptxas and the source of its module) to those keys; a job counts as done only while every key's entry
-is still on disk, so a cleared cache, another Triton or an edited kernel file runs it again.
+ptxas and the source of its module) to those keys; a job counts as done only while every key's
+entry is still on disk, so a cleared cache, another Triton or an edited kernel file runs it
+again.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 
 from omnistage.engine.ar.cuda_graphs import DecodeGraphs
 from omnistage.engine.ar.kernels_ahead_ar import (DecoderDims, GpuFacts, ar_kernel_jobs,
-                                                  decode_input_offsets)
+                                                  decode_input_misalignment)
 from omnistage.engine.ar.scheduler import engine_config
 from omnistage.engine.kernels_ahead import KernelsAhead, KernelJob, TensorSpec
 from omnistage.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ def _cases() -> tuple[list[Case], list[Case]]:
     from omnistage.engine.ar import triton_attention as ta
     from omnistage.engine.ar import triton_gemv as tg
     from omnistage.engine.ar import triton_rope_kv as rk
-    tables, lens = decode_input_offsets(M)
+    tables, lens = decode_input_misalignment(M)
     splits = ta.num_splits_for(B, KV, MB * PAGE, SMS)
     assert splits > 1 and (tables, lens) == (8, 12)  # the reduce kernel and unaligned pointers
     ahead = [
@@ -189,8 +189,8 @@ def test_decode_input_offsets_are_the_decode_graphs() -> None:
                          dtype=BF16, eager=True)
         base = g.dev.data_ptr()
         assert base % 16 == 0
-        assert decode_input_offsets(m) == ((base + 4 * g._off["tables"]) % 16,
-                                           (base + 4 * g._off["lens"]) % 16)
+        assert decode_input_misalignment(m) == ((base + 4 * g._off["tables"]) % 16,
+                                                (base + 4 * g._off["lens"]) % 16)
 
 
 TINY = DecoderDims(hidden_size=64, num_heads=H, num_kv_heads=KV, head_dim=HD,

@@ -156,7 +156,8 @@ class BlockManager:
         # views of at most block_size steps are held. Longer pieces (a prefill's) are copied.
         tail = seq.row_tail
         if tail is not None and tail[0] + tail[2] == start:
-            first_pos, pieces, count = tail[0], [*tail[1], rows], tail[2] + rows.shape[0]
+            first_pos, pieces, count = tail[0], tail[1], tail[2] + rows.shape[0]
+            pieces.append(rows)  # (the sequence's own list)
         else:
             first_pos, pieces, count = start, [rows], rows.shape[0]
         end = first_pos + count

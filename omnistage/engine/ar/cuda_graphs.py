@@ -83,23 +83,18 @@ def warm_and_capture(warm: Callable[[], Any], capture: Callable[[], Any], device
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to (and including) max_num_seqs."""
-    sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < max_num_seqs]
-    s = 48
-    while s < max_num_seqs:
-        sizes.append(s)
-        s += 16
-    return sizes + [max_num_seqs]
+    return ([s for s in (1, 2, 4, 8, 16, 32) if s < max_num_seqs]
+            + list(range(48, max_num_seqs, 16)) + [max_num_seqs])
 
 
-# lazy warm-up: batch sizes up to this are captured at load (a first burst of requests)
 def decode_input_offsets(max_size: int) -> dict[str, int]:
     """Where each static input of DecodeGraphs (largest batch size `max_size`) starts in its
     int32 buffer, in elements (the block tables last, max_blocks per row)."""
-    M = max_size
-    return {"ids": 0, "pos": M, "slots": 4 * M, "lens": 5 * M, "sslot": 6 * M, "step": 7 * M,
-            "force": 8 * M, "lprow": 9 * M, "tables": 10 * M}
+    return {name: k * max_size for name, k in (("ids", 0), ("pos", 1), ("slots", 4), ("lens", 5),
+            ("sslot", 6), ("step", 7), ("force", 8), ("lprow", 9), ("tables", 10))}
 
 
+# lazy warm-up: batch sizes up to this are captured at load (a first burst of requests)
 LAZY_LOAD_SIZE = 4
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.ar.cuda_graphs import decode_input_offsets as graph_input_offsets
-from omnistage.engine.ar.cuda_graphs import graph_batch_sizes, graphs_enabled
+from omnistage.engine.ar.cuda_graphs import (decode_input_offsets, graph_batch_sizes,
+                                             graphs_enabled)
 from omnistage.engine.ar.kernels import KernelOptions
 from omnistage.engine.ar.model_runner import warmup_flag_sets
 from omnistage.engine.ar.scheduler import EngineConfig
@@ -76,11 +76,11 @@ class GpuFacts:
         return cls((props.major, props.minor), props.multi_processor_count)
 
 
-def decode_input_offsets(max_size: int) -> tuple[int, int]:
+def decode_input_misalignment(max_size: int) -> tuple[int, int]:
     """(block tables, seq_lens) of the decode graphs: their byte offsets past a 16-byte
     boundary (DecodeGraphs' int32 inputs, cuda_graphs.decode_input_offsets). Triton
     specializes pointers on that alignment."""
-    off = graph_input_offsets(max_size)
+    off = decode_input_offsets(max_size)
     return 4 * off["tables"] % 16, 4 * off["lens"] % 16
 
 
@@ -127,7 +127,7 @@ def ar_kernel_jobs(dims: DecoderDims, dtype: torch.dtype, engine: EngineConfig,
                         pdl, cap, facts.sms)
         add(ta.compile_ahead_prefill, h, kv, hd, page, dtype, max_blocks)
         if graphs_enabled(engine.cuda_graphs, device):
-            tables, lens = decode_input_offsets(sizes[-1])
+            tables, lens = decode_input_misalignment(sizes[-1])
             for b in sizes:  # (a graph's block tables: max_blocks wide)
                 splits = ta.num_splits_for(b, kv, max_blocks * page, facts.sms)
                 add(ta.compile_ahead_decode, h, kv, hd, page, dtype, splits, max_blocks, tables,
