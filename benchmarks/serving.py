@@ -21,6 +21,12 @@ start-up to /health, and the first request after start against a warm one. The c
 statistics are `omnistage bench`'s (omnistage/entrypoints/bench.py), which drives an already
 running server.
 
+A load generator on the server's machine takes CPU time the server would have: `--server-cpus
+0-7 --client-cpus 8-15` gives each its own CPUs, as a client on another machine would be (the
+engine side then runs on the client's CPUs). `--repeats N` measures each level N times on one
+start, and their median; `--no-stream` asks the server for whole answers, an A/B of the SSE
+path (the runtime's TTFT / TTFA still come from /metrics).
+
     python -m benchmarks.serving --model /path/to/ckpt --device cuda --concurrency 1,32 \\
         --max-tokens 128 --codes 1024 --out benchmarks/results/serving_h100.json
     python -m benchmarks.serving   # the embedded tiny model on CPU (a smoke test)
@@ -30,9 +36,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -44,7 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import free_port, stop_server, write_result
 from omnistage.entrypoints import bench
-from omnistage.entrypoints.sse_client import SSEClient
+from omnistage.entrypoints.sse_client import HTTPStatusError, SSEClient
 
 # /metrics histograms -> the level's mean, in seconds (the server's path, and its runtime's)
 SERVER_MEANS = {"server_prepare_mean": "omnistage_server_prepare_seconds",
@@ -53,6 +61,11 @@ SERVER_MEANS = {"server_prepare_mean": "omnistage_server_prepare_seconds",
                 "server_ttfa_mean": "omnistage_server_time_to_first_audio_seconds",
                 "runtime_ttft_mean": "omnistage_time_to_first_token_seconds",
                 "runtime_ttfa_mean": "omnistage_time_to_first_audio_seconds"}
+
+
+# a repeated level's numbers kept per round (--repeats)
+ROUND_KEYS = ("ttft_p50", "ttfa_p50", "audio_seconds_per_second", "runtime_ttft_mean",
+              "runtime_ttfa_mean")
 
 
 def bench_config(args, url: str) -> bench.BenchConfig:
@@ -95,6 +108,42 @@ async def engine_request(llm, args, seed: int) -> dict:
             "runtime_ttfa": out.metrics.ttfa}
 
 
+async def unstreamed_request(client: SSEClient, body: dict, timeout: float) -> dict:
+    """`body` not streamed (`--no-stream`): the answer in one JSON body. The client sees no
+    first text or audio; the runtime's own TTFT / TTFA (from /metrics) still come."""
+    body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout), \
+                client.post_events("/v1/chat/completions", body) as lines:
+            answer = json.loads("".join([line async for line in lines]))
+    except (HTTPStatusError, TimeoutError, OSError, EOFError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    message = answer["choices"][0]["message"]
+    data = (message.get("audio") or {}).get("data") or ""
+    usage = answer.get("usage") or {}
+    details = usage.get("completion_tokens_details") or {}
+    return {"ttft": None, "ttfa": None, "e2e": time.perf_counter() - t0,
+            "audio_s": bench.b64_bytes(data) // 2 / bench.PCM16_RATE,
+            "text_tokens": details.get("text_tokens", usage.get("completion_tokens")),
+            "output_tokens": usage.get("completion_tokens")}
+
+
+def cpu_list(text: str) -> set[int]:
+    """`0-7,12` -> {0, ..., 7, 12}: CPUs of this machine (ValueError names the bad part)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"{part!r} is not a CPU number or range like 0-7")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    missing = cpus - os.sched_getaffinity(0)
+    if missing:
+        raise ValueError(f"CPUs {sorted(missing)} are not available here "
+                         f"({sorted(os.sched_getaffinity(0))} are)")
+    return cpus
+
+
 def _mean(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(sum(xs) / len(xs), 4) if xs else None
@@ -124,6 +173,16 @@ async def warm_then_measure(send, args, result: dict, snapshot, since,
             if spy is not None:
                 result["py_spy"] = stop_py_spy(spy)
         result[name].update(since(before))
+        rounds = [result[name]]
+        for _ in range(args.repeats - 1):  # (the same level again: its spread on one start)
+            before = snapshot()
+            rounds.append(await bench.run_level(send, c, c))
+            rounds[-1].update(since(before))
+        if args.repeats > 1:
+            result[name]["rounds"] = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
+            result[name]["median_of_rounds"] = {
+                k: statistics.median(vals) for k in ROUND_KEYS
+                if (vals := [r[k] for r in rounds if r.get(k) is not None])}
 
 
 def start_py_spy(args, side: str, pid: int) -> tuple[subprocess.Popen, str] | None:
@@ -189,7 +248,9 @@ def run_server_side(args) -> dict:
            *(["--device", args.device] if args.device else []), *args.server_arg]
     log = open(args.server_log, "w")  # noqa: SIM115 - closed below
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    cpus = args.server_cpus
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=(
+        (lambda: os.sched_setaffinity(0, cpus)) if cpus else None))  # noqa: PLW1509
     try:
         while True:
             if proc.poll() is not None:
@@ -222,7 +283,10 @@ def run_server_side(args) -> dict:
             client = SSEClient(url)  # (bench.one_request's client: sse_client says why)
 
             def send(i: int):
-                return bench.one_request(client, bench.chat_body(cfg, i), args.request_timeout)
+                body = bench.chat_body(cfg, i)
+                if args.no_stream:
+                    return unstreamed_request(client, body, args.request_timeout)
+                return bench.one_request(client, body, args.request_timeout)
 
             try:
                 rows = []
@@ -293,6 +357,16 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure each level this many times in a row (their median too)")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="the server side's requests not streamed (an A/B of the SSE path's "
+                    "cost: the runtime's TTFT / TTFA still come from /metrics)")
+    ap.add_argument("--server-cpus", default=None, metavar="LIST",
+                    help="the server's process on these CPUs only (e.g. 0-7)")
+    ap.add_argument("--client-cpus", default=None, metavar="LIST",
+                    help="this process (the load generator, and the engine side) on these "
+                    "CPUs only (e.g. 8-15: a client on CPUs of its own, as on another machine)")
     ap.add_argument("--py-spy", default=None, metavar="PREFIX",
                     help="sample each side's process with py-spy over the largest measured "
                     "level: folded stacks per thread in PREFIX_server.txt / PREFIX_engine.txt")
@@ -305,9 +379,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.py_spy and shutil.which(args.py_spy_exe) is None:
         ap.error(f"--py-spy-exe: {args.py_spy_exe!r} is not an executable on PATH")
+    try:
+        args.server_cpus = sorted(cpu_list(args.server_cpus)) if args.server_cpus else None
+        client_cpus = cpu_list(args.client_cpus) if args.client_cpus else None
+    except ValueError as e:
+        ap.error(f"--server-cpus / --client-cpus: {e}")
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)  # (threads started from now on inherit it)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if not args.concurrency or min(args.concurrency) < 1 or args.warmup_rounds < 0:
         ap.error("--concurrency: positive integers like 1,32; --warmup-rounds: >= 0")
+    if not 1 <= args.repeats <= 100:
+        ap.error(f"--repeats: 1..100, got {args.repeats}")
     load = os.getloadavg()
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}}
     # the server first: its process has ended, memory and all, when the engine side loads here
@@ -321,10 +404,13 @@ def main() -> None:
     if args.side == "both":
         keys = ("ttft_p50", "ttfa_p50", "audio_seconds_per_second", "runtime_ttft_mean",
                 "runtime_ttfa_mean")
+        def level(side: str, c: int) -> dict:  # (--repeats: the median of its rounds)
+            r = result[side][f"c{c}"]
+            return r.get("median_of_rounds") or r
+
         result["server_over_engine"] = {
-            f"c{c}": {k: round(result["server"][f"c{c}"][k] / result["engine"][f"c{c}"][k], 3)
-                      for k in keys
-                      if result["server"][f"c{c}"].get(k) and result["engine"][f"c{c}"].get(k)}
+            f"c{c}": {k: round(level("server", c)[k] / level("engine", c)[k], 3) for k in keys
+                      if level("server", c).get(k) and level("engine", c).get(k)}
             for c in args.concurrency}
     write_result(result, args.out, load)
     if Path(args.server_log).is_file() and args.side != "engine":

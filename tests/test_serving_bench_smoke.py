@@ -38,3 +38,32 @@ def test_a_missing_py_spy_is_named(tmp_path):
                str(tmp_path / "no-such-py-spy"))
     assert proc.returncode == 2
     assert "--py-spy-exe" in proc.stderr
+
+
+def test_unstreamed_repeated_rounds_on_pinned_cpus(tmp_path):
+    """--no-stream (the runtime's TTFT / TTFA without SSE), --repeats (each round kept, and
+    their median) and the CPU pinning of the server and the load generator."""
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "serving.json"
+    proc = run(tmp_path, "--side", "server", "--no-stream", "--repeats", "2",
+               "--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[-1]), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["server_cpus"] == [cpus[0]]
+    row = result["server"]["c2"]
+    assert row["completed"] == 2 and row["errors"] == 0, row
+    assert row["audio_seconds"] > 0 and row["ttfa_p50"] is None  # (nothing streamed)
+    assert len(row["rounds"]) == 2
+    assert all(r["runtime_ttfa_mean"] > 0 for r in row["rounds"]), row["rounds"]
+    assert row["median_of_rounds"]["runtime_ttfa_mean"] > 0
+
+
+def test_bad_cpu_lists_are_named(tmp_path):
+    for flag, value, named in (("--server-cpus", "3-1", "'3-1' is not a CPU"),
+                               ("--client-cpus", "99999", "CPUs [99999] are not available"),
+                               ("--server-cpus", "a", "'a' is not a CPU")):
+        proc = run(tmp_path, flag, value)
+        assert proc.returncode == 2, (flag, value)
+        assert "--server-cpus / --client-cpus" in proc.stderr and named in proc.stderr, \
+            proc.stderr

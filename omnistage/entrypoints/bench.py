@@ -105,7 +105,7 @@ def chat_body(cfg: BenchConfig, seed: int) -> dict[str, Any]:
     return body
 
 
-def _b64_bytes(data: str) -> int:
+def b64_bytes(data: str) -> int:
     """The decoded length of base64 text, without decoding it (one client loop reads every
     stream: decoding 32 streams of audio there would delay their timestamps)."""
     if len(data) % 4:
@@ -139,7 +139,7 @@ async def one_request(client: SSEClient, body: dict[str, Any], timeout: float
                         ttft = now
                     if audio.get("data"):
                         ttfa = now if ttfa is None else ttfa
-                        samples += _b64_bytes(audio["data"]) // 2
+                        samples += b64_bytes(audio["data"]) // 2
     except HTTPStatusError as e:
         return {"error": str(e)[:300]}
     except TimeoutError:

@@ -122,8 +122,8 @@ def test_api_key_is_sent(tiny_omni_dir, tmp_path, capsys):
 def test_audio_bytes_counted_from_base64_without_decoding():
     import base64
 
-    from omnistage.entrypoints.bench import _b64_bytes
+    from omnistage.entrypoints.bench import b64_bytes
     for n in (0, 1, 2, 3, 4, 479, 480, 4801):
-        assert _b64_bytes(base64.b64encode(bytes(n % 256 for _ in range(n))).decode()) == n
+        assert b64_bytes(base64.b64encode(bytes(n % 256 for _ in range(n))).decode()) == n
     with pytest.raises(ValueError, match="not a multiple of 4"):
-        _b64_bytes("abcde")
+        b64_bytes("abcde")
