@@ -117,11 +117,11 @@ async def unstreamed_request(client: SSEClient, body: dict, timeout: float) -> d
         async with asyncio.timeout(timeout), \
                 client.post_events("/v1/chat/completions", body) as lines:
             answer = json.loads("".join([line async for line in lines]))
-    except (HTTPStatusError, TimeoutError, OSError, EOFError, ValueError) as e:
+        data = (answer["choices"][0]["message"].get("audio") or {}).get("data") or ""
+        usage = answer.get("usage") or {}
+    except (HTTPStatusError, TimeoutError, OSError, EOFError, ValueError, KeyError, IndexError,
+            AttributeError) as e:  # (AttributeError, KeyError, IndexError: not a chat answer)
         return {"error": f"{type(e).__name__}: {e}"[:300]}
-    message = answer["choices"][0]["message"]
-    data = (message.get("audio") or {}).get("data") or ""
-    usage = answer.get("usage") or {}
     details = usage.get("completion_tokens_details") or {}
     return {"ttft": None, "ttfa": None, "e2e": time.perf_counter() - t0,
             "audio_s": bench.b64_bytes(data) // 2 / bench.PCM16_RATE,
@@ -263,7 +263,8 @@ def run_server_side(args) -> dict:
             if time.perf_counter() - t0 > args.startup_timeout:
                 raise RuntimeError(f"server not up after {args.startup_timeout} s")
             time.sleep(0.2)
-        result: dict = {"startup_to_health_s": round(time.perf_counter() - t0, 2)}
+        result: dict = {"startup_to_health_s": round(time.perf_counter() - t0, 2),
+                        "cpus": sorted(os.sched_getaffinity(proc.pid))}
         result["startup_phases"] = startup_phases(url)
         # (serve --engine-process: reported as a start-up phase of its own when on)
         result["engine_process"] = "engine_process" in result["startup_phases"]
@@ -392,7 +393,8 @@ def main() -> None:
     if not 1 <= args.repeats <= 100:
         ap.error(f"--repeats: 1..100, got {args.repeats}")
     load = os.getloadavg()
-    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}}
+    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"},
+                    "client_cpus": sorted(os.sched_getaffinity(0))}
     # the server first: its process has ended, memory and all, when the engine side loads here
     # (this process keeps its CUDA context and cached blocks after the engine's shutdown, and a
     # server started after it sized its KV caches from what was left)
@@ -404,6 +406,7 @@ def main() -> None:
     if args.side == "both":
         keys = ("ttft_p50", "ttfa_p50", "audio_seconds_per_second", "runtime_ttft_mean",
                 "runtime_ttfa_mean")
+
         def level(side: str, c: int) -> dict:  # (--repeats: the median of its rounds)
             r = result[side][f"c{c}"]
             return r.get("median_of_rounds") or r

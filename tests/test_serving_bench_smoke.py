@@ -50,7 +50,8 @@ def test_unstreamed_repeated_rounds_on_pinned_cpus(tmp_path):
                "--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[-1]), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["config"]["server_cpus"] == [cpus[0]]
+    assert result["server"]["cpus"] == [cpus[0]]  # (the server process's own affinity)
+    assert result["client_cpus"] == [cpus[-1]]
     row = result["server"]["c2"]
     assert row["completed"] == 2 and row["errors"] == 0, row
     assert row["audio_seconds"] > 0 and row["ttfa_p50"] is None  # (nothing streamed)
