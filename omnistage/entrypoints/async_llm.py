@@ -35,19 +35,42 @@ class RuntimeShutDown(RuntimeError):
     """The runtime was shut down before this request could be prepared or run."""
 
 
-async def outputs_until_finished(queue: asyncio.Queue, abandon: Callable[[], None]
-                                 ) -> AsyncIterator[OmniRequestOutput]:
-    """A request's outputs from its queue up to the finished one; abandon() (abort it) when
-    the consumer stops first (went away or was cancelled)."""
-    finished = False
-    try:
-        while not finished:
-            out = await queue.get()
-            finished = out.finished
-            yield out
-    finally:
-        if not finished:
-            abandon()
+class NotAdmitted(RuntimeError):
+    """start()'s admit() refused the prepared request: it never reached the runtime."""
+
+
+class RequestOutputs:
+    """A submitted request's outputs, async-iterable up to the finished one. close() (also
+    aclose(), and a consumer cancelled while it waits) aborts the request if it has not
+    finished: `abandon`, called at most once. Unlike an async generator's cleanup, close()
+    works before the first iteration too, so a stream dropped before it ever read its request
+    still aborts it."""
+
+    def __init__(self, queue: asyncio.Queue, abandon: Callable[[], None]) -> None:
+        self._queue, self._abandon = queue, abandon
+        self._done = False  # the finished output was taken, or close() ran
+
+    def __aiter__(self) -> RequestOutputs:
+        return self
+
+    async def __anext__(self) -> OmniRequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:  # (cancelled: the consumer went away)
+            self.close()
+            raise
+        self._done = out.finished
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abandon()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 def check_request_id(request_id: str | None) -> None:
@@ -147,17 +170,25 @@ class AsyncOmniLLM(OmniBase):
         field) for a bad prompt or parameter, RuntimeShutDown after shutdown(); nothing reaches
         the runtime until run()."""
         check_request_id(request_id)
+        return await self._await_preparation(self._submit_preparation(
+            partial(self.prepare_now, prompt, sampling_params, output_modalities, request_id)))
+
+    def _submit_preparation(self, work: Callable[[], Any]) -> Future:
+        """`work` queued on the preparation pool, counted in `preparing` until it is done
+        (even when its caller stops waiting)."""
         with self._preparing_lock:
             self._preparing += 1
         try:
-            job = self._prepare_pool.submit(self.prepare_now, prompt, sampling_params,
-                                            output_modalities, request_id)
+            job = self._prepare_pool.submit(work)
         except RuntimeError as e:  # the pool is shut down
             with self._preparing_lock:
                 self._preparing -= 1
             raise RuntimeShutDown("the omnistage runtime was shut down") from e
-        # counted until the thread is done, even when the caller stops waiting
         job.add_done_callback(self._prepare_done)
+        return job
+
+    @staticmethod
+    async def _await_preparation(job: Future) -> Any:
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
@@ -179,13 +210,53 @@ class AsyncOmniLLM(OmniBase):
                     stage_req.request_id = request_id
         return req
 
+    async def start(self, prompt: Any, sampling_params: Any = None,
+                    output_modalities: list[str] | None = None, request_id: str | None = None,
+                    admit: Callable[[RuntimeRequest], bool] | None = None
+                    ) -> tuple[RuntimeRequest, RequestOutputs]:
+        """prepare() and run() as one job: the preparation thread submits the request to the
+        runtime as soon as it is built. (prepare() then run() hand the request back to the
+        event loop twice before the runtime sees it: under a burst the loop is busy taking in
+        the other requests, and those passes delayed every first token.) admit(req), called on
+        that thread first, may refuse it: NotAdmitted, nothing submitted. Raises as prepare()
+        does. The outputs must be iterated to their end or closed (close() aborts)."""
+        check_request_id(request_id)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
+        box = self.mailbox(loop)
+        lock = threading.Lock()
+        state = {"abandoned": False, "submitted": None}  # (submitted: its request id)
+
+        def prepare_and_submit() -> RuntimeRequest:
+            req = self.prepare_now(prompt, sampling_params, output_modalities, request_id)
+            if admit is not None and not admit(req):
+                raise NotAdmitted(f"request {req.request_id}: not admitted")
+            with lock:  # (the caller may have gone meanwhile: then it is not submitted)
+                if not state["abandoned"]:
+                    self.runtime.submit(req, lambda out: box.post(queue, out))
+                    state["submitted"] = req.request_id
+            return req
+
+        job = self._submit_preparation(prepare_and_submit)
+        try:
+            req = await self._await_preparation(job)
+        except BaseException:
+            with lock:
+                state["abandoned"] = True
+                submitted = state["submitted"]
+            if submitted is not None:  # (cancelled after the thread had submitted it)
+                self.runtime.abort(submitted, "request cancelled")
+            raise
+        return req, RequestOutputs(queue, partial(self.runtime.abort, req.request_id,
+                                           "request cancelled"))
+
     async def run(self, req: RuntimeRequest) -> AsyncIterator[OmniRequestOutput]:
         """Submit a request from prepare() and yield its outputs (see generate())."""
         queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
         box = self.mailbox(asyncio.get_running_loop())
         self.runtime.submit(req, lambda out: box.post(queue, out))  # (on the runtime's thread)
         abandon = partial(self.runtime.abort, req.request_id, "request cancelled")
-        async with contextlib.aclosing(outputs_until_finished(queue, abandon)) as outputs:
+        async with contextlib.aclosing(RequestOutputs(queue, abandon)) as outputs:
             async for out in outputs:
                 yield out
 

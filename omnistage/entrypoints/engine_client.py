@@ -14,11 +14,12 @@ import pickle
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from omnistage.entrypoints.async_llm import (Mailbox, RuntimeShutDown, check_request_id,
-                                             loop_mailbox, outputs_until_finished)
+from omnistage.entrypoints.async_llm import (Mailbox, NotAdmitted, RequestOutputs,
+                                             RuntimeShutDown, check_request_id, loop_mailbox)
 from omnistage.entrypoints.base import WARMUP_TIMEOUT_S
 from omnistage.entrypoints.engine_process import (
     CALL_TIMEOUT_S, PROCESSOR_OPTIONS, START_TIMEOUT_S, STOP_TIMEOUT_S, AbortCall, DropCall,
@@ -296,8 +297,23 @@ class EngineClient:
         with self._lock:
             self._preparing -= 1
 
+    async def start(self, prompt: Any, sampling_params: Any = None,
+                    output_modalities: list[str] | None = None, request_id: str | None = None,
+                    admit: Callable[[EngineRequest], bool] | None = None
+                    ) -> tuple[EngineRequest, RequestOutputs]:
+        """AsyncOmniLLM.start(): prepared in the engine process, then run there at once."""
+        req = await self.prepare(prompt, sampling_params, output_modalities, request_id)
+        if admit is not None and not admit(req):
+            raise NotAdmitted(f"request {req.request_id}: not admitted")
+        return req, self._submit(req)
+
     async def run(self, req: EngineRequest):
         """Submit a prepared request in the engine and yield its outputs (AsyncOmniLLM.run)."""
+        async with contextlib.aclosing(self._submit(req)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def _submit(self, req: EngineRequest) -> RequestOutputs:
         queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
         box = self.mailbox(asyncio.get_running_loop())
         req._release.detach()
@@ -316,9 +332,7 @@ class EngineClient:
                 self._running.pop(req.handle, None)
             self._send_quietly(AbortCall(req.request_id, "request cancelled"))
 
-        async with contextlib.aclosing(outputs_until_finished(queue, abandon)) as outputs:
-            async for out in outputs:
-                yield out
+        return RequestOutputs(queue, abandon)
 
     async def abort(self, request_id: str) -> None:
         self._send_quietly(AbortCall(request_id, "request aborted"))

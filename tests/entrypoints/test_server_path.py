@@ -11,6 +11,7 @@ import base64
 import gc
 import json
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -233,3 +234,72 @@ def test_mailboxes_do_not_keep_their_loops_alive(served):
     del loop
     gc.collect()
     assert gone() is None
+
+
+# ------------------------------------------------------------------ start(): no loop between
+_PROMPT = {"messages": [{"role": "user", "content": "Say something nice."}]}
+
+
+def _text_params(llm: AsyncOmniLLM, tokens: int) -> dict:
+    from omnistage import SamplingParams
+    return {"thinker": SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)}
+
+
+def test_start_submits_from_the_preparation_thread_while_the_loop_is_busy(served):
+    """llm.start(): the thread that prepared the request submits it, so the runtime takes it
+    in while the caller's event loop is still busy (with prepare() then run(), the request
+    waited for two passes of that loop first)."""
+    llm = served[2]
+    seen: dict = {}
+
+    def admit(req) -> bool:
+        seen["req"], seen["thread"] = req, threading.get_ident()
+        return True
+
+    async def go() -> list[OmniRequestOutput]:
+        task = asyncio.ensure_future(llm.start(_PROMPT, _text_params(llm, 4), ["text"],
+                                               admit=admit))
+        await asyncio.sleep(0)  # (the task queues its preparation and waits for it)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not getattr(seen.get("req"), "arrival", 0.0):
+            time.sleep(0.01)  # the loop stays busy: nothing it runs can submit the request
+        assert getattr(seen.get("req"), "arrival", 0.0) > 0, "not taken in while the loop was busy"
+        assert seen["thread"] != threading.get_ident()
+        req, outputs = await task
+        assert req is seen["req"]
+        return [out async for out in outputs]
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and not outs[-1].error and len(outs[-1].token_ids) == 4
+
+
+def test_a_request_start_refuses_is_never_submitted(served):
+    from omnistage.entrypoints.async_llm import NotAdmitted
+    llm = served[2]
+    before = llm.runtime.num_active()
+
+    async def go() -> None:
+        with pytest.raises(NotAdmitted):
+            await llm.start(_PROMPT, _text_params(llm, 4), ["text"], request_id="refused",
+                            admit=lambda req: False)
+
+    asyncio.run(go())
+    assert llm.preparing == 0 and llm.runtime.num_active() == before
+
+
+def test_started_outputs_closed_before_reading_abort_the_request(served):
+    """A stream dropped before it read anything (its task never ran) still aborts its
+    request: RequestStream.cancel() closes the outputs."""
+    llm = served[2]
+
+    async def go() -> tuple[bool, int]:
+        _, outputs = await llm.start(_PROMPT, _text_params(llm, 3000), ["text"])
+        stream = RequestStream(outputs, None)
+        aborted = stream.cancel()  # (before its pump task ever ran)
+        deadline = time.monotonic() + 30
+        while llm.runtime.num_active() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return aborted, llm.runtime.num_active()
+
+    aborted, active = asyncio.run(go())
+    assert aborted and active == 0

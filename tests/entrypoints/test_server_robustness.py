@@ -175,13 +175,13 @@ def test_chat_with_audio_asks_the_talker_for_a_code(server, llm, monkeypatch, ta
     """Chat with audio output, like speech: the talker draws at least one code whatever the
     request says (a first draw of its stop code would give a 200 with no audio)."""
     seen = []
-    prepare = llm.prepare
+    start = llm.start
 
     async def recording(prompt, sampling_params=None, *args, **kwargs):
         seen.append(sampling_params)
-        return await prepare(prompt, sampling_params, *args, **kwargs)
+        return await start(prompt, sampling_params, *args, **kwargs)
 
-    monkeypatch.setattr(llm, "prepare", recording)
+    monkeypatch.setattr(llm, "start", recording)
     body = {**CHAT, "modalities": ["text", "audio"], "audio": {"voice": "Chelsie",
                                                                 "format": "wav"}}
     if talker_params:

@@ -21,7 +21,7 @@ import soundfile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from omnistage.entrypoints.async_llm import RuntimeShutDown
+from omnistage.entrypoints.async_llm import NotAdmitted, RequestOutputs, RuntimeShutDown
 from omnistage.entrypoints.openai.metrics import RECEIVED_KEY, ServerMetrics, mark_outcome
 from omnistage.entrypoints.openai.protocol import APIError, StageSamplingParams
 from omnistage.outputs import OmniRequestOutput
@@ -293,6 +293,7 @@ class RequestStream:
         self.ended = False  # by end(): the server is shutting down
         self._exhausted = False  # the generator's end was taken
         self._next_check = time.monotonic() + poll
+        self._gen = gen
         self._task = asyncio.get_running_loop().create_task(self._pump(gen))
 
     def _put(self, item: OmniRequestOutput | Exception | None) -> None:
@@ -366,6 +367,10 @@ class RequestStream:
         if self._task.done():
             return False
         self._task.cancel()
+        # (outputs of a request already submitted abort it at once, even if the pump task
+        # never ran: an async generator's cleanup would not run then)
+        if isinstance(self._gen, RequestOutputs):
+            self._gen.close()
         return not self.finished
 
 
@@ -379,21 +384,29 @@ async def start_request(state: ServerState, request: Request | None, prompt: Any
                         bad_request: Callable[[ValueError], APIError] = value_error
                         ) -> RequestStream:
     """Prepare the request on the engine's preparation pool (off the event loop; a ValueError
-    becomes `bad_request(e)`, a 400), then run it in a RequestStream watching `request`
-    (ServerShuttingDown instead when the drain deadline passed meanwhile)."""
+    becomes `bad_request(e)`, a 400) and start it from there (llm.start: the runtime takes it
+    in without waiting for this loop), in a RequestStream watching `request`
+    (ServerShuttingDown instead when the server is shutting down)."""
     received = request.scope.get(RECEIVED_KEY) if request is not None else None
     timeline = RequestTimeline(received if received is not None else time.monotonic())
-    try:
-        req = await state.llm.prepare(prompt, params, modalities, request_id=rid)
+
+    def admit(req: Any) -> bool:  # (on the preparation thread, just before the submission)
         timeline.prepared, timeline.runtime_request = time.monotonic(), req
+        return not state.ending
+
+    try:
+        _, outputs = await state.llm.start(prompt, params, modalities, request_id=rid,
+                                           admit=admit)
     except ValueError as e:
         raise bad_request(e) from e
-    except RuntimeShutDown as e:  # dropped from the preparation queue at shutdown
+    except (RuntimeShutDown, NotAdmitted) as e:  # (dropped from the queue, or refused)
+        log.info("%s: not started, the server is shutting down (503)", rid)
         raise ServerShuttingDown() from e
-    if state.ending:
+    if state.ending:  # (it ended while this loop had not yet taken the request back)
+        outputs.close()
         log.info("%s: not started, the server is shutting down (503)", rid)
         raise ServerShuttingDown()
-    stream = RequestStream(state.llm.run(req), request, rid=rid, timeline=timeline)
+    stream = RequestStream(outputs, request, rid=rid, timeline=timeline)
     state.streams.add(stream)
     return stream
 
