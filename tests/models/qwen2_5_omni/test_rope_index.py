@@ -137,3 +137,16 @@ def test_decode_positions(rope_cfg) -> None:
 def test_malformed_raises(rope_cfg, ids, grids, lens, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         mrope_positions(ids, grids, lens, rope_cfg)
+
+
+@pytest.mark.parametrize("ids", [TEXT, TEXT * 50, []])
+def test_text_only_positions_match_transformers(thinker, rope_cfg, ids) -> None:
+    """Text-only prompts (and an empty one): transformers' positions, delta 0, contiguous (the
+    engine slices and copies them)."""
+    got, delta = mrope_positions(ids, None, None, rope_cfg)
+    assert got.shape == (3, len(ids)) and got.dtype == torch.long and got.is_contiguous()
+    if ids:
+        want, want_delta = hf_rope(thinker, ids)
+        assert torch.equal(got, want) and delta == want_delta == 0
+    else:
+        assert delta == 0

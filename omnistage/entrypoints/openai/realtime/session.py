@@ -429,15 +429,17 @@ class RealtimeSession:
         """The response's events and its request; ended by _end (here, or by cancel)."""
         llm, item = self.state.llm, resp.item
         resp.rid = f"realtime-{resp.id}"
+        outputs = None
         try:
             await self.send({"type": "response.created",
                              "response": self._response_object(resp)})
             if resp.tools is None:
                 await self._open_message(resp)
             modalities = ["text", "audio"] if item.audio else ["text"]
-            req = await llm.prepare(prompt, sampling, modalities, request_id=resp.rid)
-            resp.submitted.set()  # (llm.run submits it before its first await)
-            async for out in llm.run(req):
+            # (prepared and submitted by the preparation thread: the loop may be busy)
+            _, outputs = await llm.start(prompt, sampling, modalities, request_id=resp.rid)
+            resp.submitted.set()
+            async for out in outputs:
                 await self._deltas(resp, out)
                 if out.finished:
                     resp.cached_tokens = out.metrics.num_cached_tokens
@@ -459,6 +461,9 @@ class RealtimeSession:
             if resp.status == "in_progress":  # not our cancel: the session is closing
                 raise
             return  # cancel_response ends it
+        finally:
+            if outputs is not None:  # (aborts the request unless it finished)
+                outputs.close()
         if resp.status == "in_progress":
             resp.status = "completed"
         await self._end(resp)

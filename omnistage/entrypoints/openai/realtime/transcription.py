@@ -75,12 +75,12 @@ class InputTranscriber:
         except APIError as e:
             await self._failed(item, e.message, e.code or "server_busy")
             return
-        last = None
+        last = outputs = None
         try:
             await self.response_first()  # (the response goes first: never delayed by this)
-            req = await llm.prepare({"messages": asr_messages(audio, cfg.language, cfg.prompt)},
-                                    params, ["text"], request_id=rid)
-            async for out in llm.run(req):
+            prompt = {"messages": asr_messages(audio, cfg.language, cfg.prompt)}
+            _, outputs = await llm.start(prompt, params, ["text"], request_id=rid)
+            async for out in outputs:
                 if out.text_delta:
                     await self.send({"type": "conversation.item.input_audio_transcription.delta",
                                      "item_id": item.id, "content_index": 0,
@@ -94,6 +94,8 @@ class InputTranscriber:
             return
         finally:
             st.release()
+            if outputs is not None:  # (aborts the request unless it finished)
+                outputs.close()
         if last is None or last.error:
             await self._failed(item, last.error if last is not None else "no output",
                                "generation_failed")
