@@ -240,7 +240,7 @@ def test_mailboxes_do_not_keep_their_loops_alive(served):
 _PROMPT = {"messages": [{"role": "user", "content": "Say something nice."}]}
 
 
-def _text_params(llm: AsyncOmniLLM, tokens: int) -> dict:
+def _text_params(tokens: int) -> dict:
     from omnistage import SamplingParams
     return {"thinker": SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)}
 
@@ -257,7 +257,7 @@ def test_start_submits_from_the_preparation_thread_while_the_loop_is_busy(served
         return True
 
     async def go() -> list[OmniRequestOutput]:
-        task = asyncio.ensure_future(llm.start(_PROMPT, _text_params(llm, 4), ["text"],
+        task = asyncio.ensure_future(llm.start(_PROMPT, _text_params(4), ["text"],
                                                admit=admit))
         await asyncio.sleep(0)  # (the task queues its preparation and waits for it)
         deadline = time.monotonic() + 60
@@ -280,7 +280,7 @@ def test_a_request_start_refuses_is_never_submitted(served):
 
     async def go() -> None:
         with pytest.raises(NotAdmitted):
-            await llm.start(_PROMPT, _text_params(llm, 4), ["text"], request_id="refused",
+            await llm.start(_PROMPT, _text_params(4), ["text"], request_id="refused",
                             admit=lambda req: False)
 
     asyncio.run(go())
@@ -293,7 +293,7 @@ def test_started_outputs_closed_before_reading_abort_the_request(served):
     llm = served[2]
 
     async def go() -> tuple[bool, int]:
-        _, outputs = await llm.start(_PROMPT, _text_params(llm, 3000), ["text"])
+        _, outputs = await llm.start(_PROMPT, _text_params(3000), ["text"])
         stream = RequestStream(outputs, None)
         aborted = stream.cancel()  # (before its pump task ever ran)
         deadline = time.monotonic() + 30

@@ -397,15 +397,14 @@ async def start_request(state: ServerState, request: Request | None, prompt: Any
     try:
         _, outputs = await state.llm.start(prompt, params, modalities, request_id=rid,
                                            admit=admit)
+        if state.ending:  # (it ended while this loop had not yet taken the request back)
+            outputs.close()
+            raise NotAdmitted(f"request {rid}: the server is shutting down")
     except ValueError as e:
         raise bad_request(e) from e
     except (RuntimeShutDown, NotAdmitted) as e:  # (dropped from the queue, or refused)
         log.info("%s: not started, the server is shutting down (503)", rid)
         raise ServerShuttingDown() from e
-    if state.ending:  # (it ended while this loop had not yet taken the request back)
-        outputs.close()
-        log.info("%s: not started, the server is shutting down (503)", rid)
-        raise ServerShuttingDown()
     stream = RequestStream(outputs, request, rid=rid, timeline=timeline)
     state.streams.add(stream)
     return stream
