@@ -251,6 +251,10 @@ def run_server_side(args) -> dict:
     cpus = args.server_cpus
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=(
         (lambda: os.sched_setaffinity(0, cpus)) if cpus else None))  # noqa: PLW1509
+    startup_spy = None
+    if args.py_spy_startup:
+        time.sleep(0.5)  # (py-spy finds no interpreter in a process still being exec'd)
+        startup_spy = start_py_spy(args, "server_startup", proc.pid)
     try:
         while True:
             if proc.poll() is not None:
@@ -265,6 +269,8 @@ def run_server_side(args) -> dict:
             time.sleep(0.2)
         result: dict = {"startup_to_health_s": round(time.perf_counter() - t0, 2),
                         "cpus": sorted(os.sched_getaffinity(proc.pid))}
+        if startup_spy is not None:
+            result["py_spy_startup"] = stop_py_spy(startup_spy)
         result["startup_phases"] = startup_phases(url)
         # (serve --engine-process: reported as a start-up phase of its own when on)
         result["engine_process"] = "engine_process" in result["startup_phases"]
@@ -304,6 +310,8 @@ def run_server_side(args) -> dict:
         asyncio.run(go())
         return result
     finally:
+        if startup_spy is not None and startup_spy[0].poll() is None:  # (it never got up)
+            stop_py_spy(startup_spy)
         stop_server(proc, log)
 
 
@@ -377,7 +385,12 @@ def main() -> None:
                     help="sample only the level's first seconds (default: all of it)")
     ap.add_argument("--py-spy-gil", action="store_true",
                     help="sample only the thread holding the GIL (who keeps the others waiting)")
+    ap.add_argument("--py-spy-startup", action="store_true",
+                    help="with --py-spy: sample the server's start too, until /health "
+                    "(PREFIX_server_startup.txt)")
     args = ap.parse_args()
+    if args.py_spy_startup and not args.py_spy:
+        ap.error("--py-spy-startup: needs --py-spy PREFIX (where the stacks go)")
     if args.py_spy and shutil.which(args.py_spy_exe) is None:
         ap.error(f"--py-spy-exe: {args.py_spy_exe!r} is not an executable on PATH")
     try:

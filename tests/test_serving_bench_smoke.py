@@ -38,6 +38,9 @@ def test_a_missing_py_spy_is_named(tmp_path):
                str(tmp_path / "no-such-py-spy"))
     assert proc.returncode == 2
     assert "--py-spy-exe" in proc.stderr
+    proc = run(tmp_path, "--py-spy-startup")  # (sampling the start needs a place for stacks)
+    assert proc.returncode == 2
+    assert "--py-spy-startup" in proc.stderr
 
 
 def test_unstreamed_repeated_rounds_on_pinned_cpus(tmp_path):
