@@ -194,7 +194,7 @@ def start_py_spy(args, side: str, pid: int) -> tuple[subprocess.Popen, str] | No
     cmd = [args.py_spy_exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
            "--nonblocking", "--rate", str(args.py_spy_rate), "--subprocesses", "--output", out,
            *(["--duration", str(args.py_spy_seconds)] if args.py_spy_seconds else []),
-           *(["--gil"] if args.py_spy_gil else [])]
+           *(["--gil"] if args.py_spy_gil else []), *(["--idle"] if args.py_spy_idle else [])]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True), out
 
@@ -385,6 +385,9 @@ def main() -> None:
                     help="sample only the level's first seconds (default: all of it)")
     ap.add_argument("--py-spy-gil", action="store_true",
                     help="sample only the thread holding the GIL (who keeps the others waiting)")
+    ap.add_argument("--py-spy-idle", action="store_true",
+                    help="keep the samples of threads that wait (GPU syncs, locks, the GIL, "
+                    "futures): where a thread's time went, not only its CPU")
     ap.add_argument("--py-spy-startup", action="store_true",
                     help="with --py-spy: sample the server's start too, until /health "
                     "(PREFIX_server_startup.txt)")

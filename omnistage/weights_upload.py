@@ -1,12 +1,14 @@
 """Checkpoint tensors copied into CUDA parameters by several threads, staged through pinned
-buffers (checkpoint.load_parameters uses it for every large same-dtype copy to a GPU).
+buffers (checkpoint.load_parameters uses it for every large copy to a GPU).
 
 NOTE (why): a plain `param.copy_(tensor)` from the safetensors mmap is a pageable copy: the
 driver stages it through a pinned buffer of its own on the calling thread, page faults on the
 mmap included, one tensor after another. Here each of THREADS threads copies a chunk of the mmap
 into a pinned buffer of its own (the memcpy and the page faults run outside the GIL, side by
 side) and queues the chunk's DMA on a stream of its own; its two buffers alternate, so the next
-chunk's memcpy overlaps the last one's DMA.
+chunk's memcpy overlaps the last one's DMA. A copy that also converts (a bf16 checkpoint into a
+float32 vocoder) lands in a device buffer in the checkpoint's dtype and is converted there: a
+plain copy_ would convert on the CPU first, on the calling thread.
 """
 
 from __future__ import annotations
@@ -32,10 +34,17 @@ class _Stager:
                         for _ in range(2)]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
+        # a converting copy's chunk lands here first (stream order: the next chunk's DMA
+        # comes after this one's conversion)
+        self.landing: torch.Tensor | None = None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        d, s = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
-        for start in range(0, s.numel(), CHUNK_BYTES):
+        converts = dst.dtype != src.dtype
+        if converts and self.landing is None:
+            self.landing = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=dst.device)
+        s = src.reshape(-1).view(torch.uint8)
+        d = dst.view(-1) if converts else dst.view(-1).view(torch.uint8)
+        for start in range(0, s.numel(), CHUNK_BYTES):  # (a multiple of every element size)
             n = min(CHUNK_BYTES, s.numel() - start)
             i, self.turn = self.turn, self.turn ^ 1
             if self.events[i] is not None:
@@ -43,7 +52,13 @@ class _Stager:
             buf = self.buffers[i][:n]
             buf.copy_(s[start:start + n])
             with torch.cuda.stream(self.stream):
-                d[start:start + n].copy_(buf, non_blocking=True)
+                if converts:
+                    first = start // src.element_size()
+                    landed = self.landing[:n]
+                    landed.copy_(buf, non_blocking=True)
+                    d[first:first + n // src.element_size()].copy_(landed.view(src.dtype))
+                else:
+                    d[start:start + n].copy_(buf, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.events[i] = event
@@ -63,10 +78,12 @@ class DeviceUploads:
 
     def takes(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Whether dst.copy_(src) goes through here: a large contiguous CPU tensor into a
-        contiguous tensor of its dtype and shape on this GPU (anything else: a plain copy,
-        which also converts dtypes)."""
+        contiguous tensor of its shape on this GPU, of its dtype or both floating point
+        (anything else: a plain copy)."""
         return (dst.is_cuda and self.device in (None, dst.device)
-                and src.device.type == "cpu" and dst.dtype == src.dtype
+                and src.device.type == "cpu"
+                and (dst.dtype == src.dtype or (dst.is_floating_point()
+                                                and src.is_floating_point()))
                 and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
                 and src.numel() * src.element_size() >= MIN_BYTES)
 

@@ -1,7 +1,7 @@
 """checkpoint.load_parameters' staged GPU copies (weights_upload.DeviceUploads): every
 parameter equals its checkpoint tensor, byte for byte, whether it went through the pinned
-buffers (several chunks, both buffers of a thread reused) or a plain copy (small, or another
-dtype: converted)."""
+buffers (several chunks, both buffers of a thread reused; a copy to another floating dtype
+converted on the GPU, narrowing or widening) or a plain copy (small)."""
 
 import pytest
 import torch
@@ -18,9 +18,10 @@ class _Weights(torch.nn.Module):
         self.odd = torch.nn.Parameter(torch.empty(7, 3001, dtype=torch.bfloat16))  # odd bytes
         self.small = torch.nn.Parameter(torch.empty(16, dtype=torch.bfloat16))
         self.converted = torch.nn.Parameter(torch.empty(64, 1000, dtype=torch.float16))
+        self.widened = torch.nn.Parameter(torch.empty(7, 3001, dtype=torch.float32))
 
 
-def test_takes_only_large_same_dtype_gpu_copies() -> None:
+def test_takes_only_large_gpu_copies() -> None:
     up = weights_upload.DeviceUploads()
     src = torch.zeros(1 << 20, dtype=torch.uint8)
     assert not up.takes(torch.zeros(1 << 20, dtype=torch.uint8), src)  # a CPU parameter
@@ -35,7 +36,8 @@ def test_staged_copies_equal_the_checkpoint(tmp_path, monkeypatch) -> None:
     ckpt = {"big": torch.randn(300, 1000, generator=g).bfloat16(),
             "odd": torch.randn(7, 3001, generator=g).bfloat16(),
             "small": torch.randn(16, generator=g).bfloat16(),
-            "converted": torch.randn(64, 1000, generator=g)}  # float32 on disk
+            "converted": torch.randn(64, 1000, generator=g),  # float32 on disk
+            "widened": torch.randn(7, 3001, generator=g).bfloat16()}  # (a bf16 vocoder's)
     save_file(ckpt, str(tmp_path / "model.safetensors"))
     with torch.device("cuda"):
         module = _Weights()
@@ -48,7 +50,7 @@ def test_staged_copies_equal_the_checkpoint(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(weights_upload.DeviceUploads, "takes", spy)
     load_parameters(module, iter_tensors(tmp_path))
-    assert sorted(staged) == [False, False, True, True]  # big and odd staged
+    assert sorted(staged) == [False, True, True, True, True]  # all but small staged
     for name, want in ckpt.items():
         got = getattr(module, name).detach().cpu()
         assert torch.equal(got, want.to(got.dtype)), name

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.checkpoint import iter_tensors
+from omnistage.checkpoint import iter_tensors, load_parameters
 from omnistage.config.schema import StageConfig
 from omnistage.engine.gen import GenEngineConfig, GenRequest, GenStageWorker
 from omnistage.engine.gen.graphs import BUCKETS
@@ -247,7 +247,10 @@ def build_code2wav_stage(path: Any, config: dict, stage: StageConfig, name: str,
     with torch.device(device):
         token2wav = Qwen2_5OmniToken2Wav(config["token2wav_config"])
     prefix = "token2wav." if stage.checkpoint_prefix is None else stage.checkpoint_prefix
-    token2wav.load_state_dict(dict(iter_tensors(path, prefix)), strict=True)
+    with startup.phase("weights"):
+        # (staged through pinned buffers and converted on the GPU: a bf16 checkpoint into the
+        # float32 token2wav; every parameter filled, every tensor used, as strict loading)
+        load_parameters(token2wav, iter_tensors(path, prefix), shown_prefix=prefix)
     token2wav.to(token2wav_dtype(stage, dtype)).eval()
     return code2wav_worker(name, token2wav, device, options.stream_config(device), engine,
                            options)
