@@ -21,6 +21,8 @@ import torch
 THREADS = 4
 CHUNK_BYTES = 32 << 20  # one pinned buffer (two per thread)
 MIN_BYTES = 1 << 20  # smaller tensors: one plain copy each (not worth a hand-over)
+# the dtypes a staged copy converts between on the GPU
+_WIDE_FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
 class _Stager:
@@ -78,12 +80,11 @@ class DeviceUploads:
 
     def takes(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Whether dst.copy_(src) goes through here: a large contiguous CPU tensor into a
-        contiguous tensor of its shape on this GPU, of its dtype or both floating point
-        (anything else: a plain copy)."""
+        contiguous tensor of its shape on this GPU, of its dtype or both 16-64-bit floating
+        point (anything else, float8 included: a plain copy)."""
         return (dst.is_cuda and self.device in (None, dst.device)
                 and src.device.type == "cpu"
-                and (dst.dtype == src.dtype or (dst.is_floating_point()
-                                                and src.is_floating_point()))
+                and (dst.dtype == src.dtype or _WIDE_FLOATS >= {dst.dtype, src.dtype})
                 and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
                 and src.numel() * src.element_size() >= MIN_BYTES)
 
