@@ -24,8 +24,11 @@ running server.
 A load generator on the server's machine takes CPU time the server would have: `--server-cpus
 0-7 --client-cpus 8-15` gives each its own CPUs, as a client on another machine would be (the
 engine side then runs on the client's CPUs). `--repeats N` measures each level N times on one
-start, and their median; `--no-stream` asks the server for whole answers, an A/B of the SSE
-path (the runtime's TTFT / TTFA still come from /metrics).
+start, and their median; `--starts N` starts each side N times, alternating (server, engine,
+engine, server, ...; the engine side then in a process of its own per start), and reports the
+median over starts and each pair's ratios: one start's numbers moved by more than the gap.
+`--no-stream` asks the server for whole answers, an A/B of the SSE path (the runtime's TTFT /
+TTFA still come from /metrics).
 
     python -m benchmarks.serving --model /path/to/ckpt --device cuda --concurrency 1,32 \\
         --max-tokens 128 --codes 1024 --out benchmarks/results/serving_h100.json
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -350,6 +354,91 @@ def run_engine_side(args) -> dict:
     return result
 
 
+def _engine_side_child(args, conn) -> None:
+    try:
+        conn.send(("ok", run_engine_side(args)))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def run_engine_side_apart(args) -> dict:
+    """run_engine_side in a process of its own (spawned, not a daemon: the engine starts
+    processes too), so its CUDA context and memory end with it and a server started next
+    finds the GPU as the first one did."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_engine_side_child, args=(args, theirs))
+    child.start()
+    theirs.close()
+    try:
+        kind, value = ours.recv()
+    except EOFError:
+        kind, value = "error", "the engine side's process died"
+    child.join()
+    if kind != "ok":
+        raise RuntimeError(f"engine side: {value}")
+    return value
+
+
+def level_numbers(side_result: dict, c: int) -> dict:
+    """A side's numbers of level c: its median over rounds where there were several."""
+    r = side_result[f"c{c}"]
+    return r.get("median_of_rounds") or r
+
+
+def ratios(server: dict, engine: dict) -> dict:
+    """server / engine for ROUND_KEYS, where both sides have the number."""
+    return {k: round(server[k] / engine[k], 3) for k in ROUND_KEYS
+            if server.get(k) and engine.get(k)}
+
+
+def run_one_start(args, result: dict, load) -> None:
+    """Each side started once: the server, then the engine in this process."""
+    # the server first: its process has ended, memory and all, when the engine side loads here
+    # (this process keeps its CUDA context and cached blocks after the engine's shutdown, and a
+    # server started after it sized its KV caches from what was left)
+    if args.side in ("both", "server"):
+        result["server"] = run_server_side(args)
+        write_result(result, args.out, load)  # (kept if the engine side does not finish)
+    if args.side in ("both", "engine"):
+        result["engine"] = run_engine_side(args)
+    if args.side == "both":
+        result["server_over_engine"] = {
+            f"c{c}": ratios(level_numbers(result["server"], c), level_numbers(result["engine"], c))
+            for c in args.concurrency}
+
+
+def run_starts(args, result: dict, load) -> None:
+    """--starts N: each side started N times, alternating (server, engine, engine, server,
+    ...), every start's result kept; the median over starts per side and level, the server
+    over the engine from those medians, and each pair's own ratios (their spread)."""
+    sides = ("server", "engine") if args.side == "both" else (args.side,)
+    result["starts"] = []
+    for i in range(args.starts):
+        for side in (sides if i % 2 == 0 else sides[::-1]):
+            r = run_server_side(args) if side == "server" else run_engine_side_apart(args)
+            result["starts"].append({"side": side, **r})
+            write_result(result, args.out, load)  # (kept if a later start does not finish)
+    medians: dict = {}
+    for side in sides:
+        runs = [r for r in result["starts"] if r["side"] == side]
+        medians[side] = {f"c{c}": {k: statistics.median(vals) for k in ROUND_KEYS if (
+            vals := [level_numbers(r, c)[k] for r in runs
+                     if level_numbers(r, c).get(k) is not None])}
+            for c in args.concurrency}
+    result["median_of_starts"] = medians
+    if args.side == "both":
+        server = [r for r in result["starts"] if r["side"] == "server"]
+        engine = [r for r in result["starts"] if r["side"] == "engine"]
+        result["server_over_engine"] = {
+            f"c{c}": ratios(medians["server"][f"c{c}"], medians["engine"][f"c{c}"])
+            for c in args.concurrency}
+        result["server_over_engine_per_pair"] = [
+            {f"c{c}": ratios(level_numbers(s, c), level_numbers(e, c)) for c in args.concurrency}
+            for s, e in zip(server, engine, strict=True)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-qwen2.5-omni", help="checkpoint or embedded name")
@@ -368,6 +457,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure each level this many times in a row (their median too)")
+    ap.add_argument("--starts", type=int, default=1,
+                    help="start each side this many times, alternating (the median over "
+                    "starts, and each pair's ratios)")
     ap.add_argument("--no-stream", action="store_true",
                     help="the server side's requests not streamed (an A/B of the SSE path's "
                     "cost: the runtime's TTFT / TTFA still come from /metrics)")
@@ -408,29 +500,12 @@ def main() -> None:
         ap.error("--concurrency: positive integers like 1,32; --warmup-rounds: >= 0")
     if not 1 <= args.repeats <= 100:
         ap.error(f"--repeats: 1..100, got {args.repeats}")
+    if not 1 <= args.starts <= 20:
+        ap.error(f"--starts: 1..20, got {args.starts}")
     load = os.getloadavg()
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"},
                     "client_cpus": sorted(os.sched_getaffinity(0))}
-    # the server first: its process has ended, memory and all, when the engine side loads here
-    # (this process keeps its CUDA context and cached blocks after the engine's shutdown, and a
-    # server started after it sized its KV caches from what was left)
-    if args.side in ("both", "server"):
-        result["server"] = run_server_side(args)
-        write_result(result, args.out, load)  # (kept if the engine side does not finish)
-    if args.side in ("both", "engine"):
-        result["engine"] = run_engine_side(args)
-    if args.side == "both":
-        keys = ("ttft_p50", "ttfa_p50", "audio_seconds_per_second", "runtime_ttft_mean",
-                "runtime_ttfa_mean")
-
-        def level(side: str, c: int) -> dict:  # (--repeats: the median of its rounds)
-            r = result[side][f"c{c}"]
-            return r.get("median_of_rounds") or r
-
-        result["server_over_engine"] = {
-            f"c{c}": {k: round(level("server", c)[k] / level("engine", c)[k], 3) for k in keys
-                      if level("server", c).get(k) and level("engine", c).get(k)}
-            for c in args.concurrency}
+    (run_starts if args.starts > 1 else run_one_start)(args, result, load)
     write_result(result, args.out, load)
     if Path(args.server_log).is_file() and args.side != "engine":
         print(f"server log: {args.server_log}")

@@ -41,6 +41,9 @@ def test_a_missing_py_spy_is_named(tmp_path):
     proc = run(tmp_path, "--py-spy-startup")  # (sampling the start needs a place for stacks)
     assert proc.returncode == 2
     assert "--py-spy-startup" in proc.stderr
+    proc = run(tmp_path, "--starts", "0")
+    assert proc.returncode == 2
+    assert "--starts: 1..20, got 0" in proc.stderr
 
 
 def test_unstreamed_repeated_rounds_on_pinned_cpus(tmp_path):
@@ -71,3 +74,22 @@ def test_bad_cpu_lists_are_named(tmp_path):
         assert proc.returncode == 2, (flag, value)
         assert "--server-cpus / --client-cpus" in proc.stderr and named in proc.stderr, \
             proc.stderr
+
+
+def test_alternating_starts(tmp_path):
+    """--starts 2: server, engine, engine, server (the engine side in a process of its own
+    each time), the median over starts per side, and each pair's server / engine ratios."""
+    out = tmp_path / "serving.json"
+    proc = run(tmp_path, "--starts", "2", "--concurrency", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [s["side"] for s in result["starts"]] == ["server", "engine", "engine", "server"]
+    for start in result["starts"]:
+        row = start["c1"]
+        assert row["completed"] == 1 and row["errors"] == 0, (start["side"], row)
+        assert row["audio_seconds"] > 0
+    for side in ("server", "engine"):
+        assert result["median_of_starts"][side]["c1"]["ttfa_p50"] > 0
+    assert len(result["server_over_engine_per_pair"]) == 2
+    assert result["server_over_engine"]["c1"]["ttfa_p50"] > 0
+    assert "server" not in result and "engine" not in result  # (each start is in "starts")
