@@ -417,7 +417,10 @@ def run_starts(args, result: dict, load) -> None:
     result["starts"] = []
     for i in range(args.starts):
         for side in (sides if i % 2 == 0 else sides[::-1]):
-            r = run_server_side(args) if side == "server" else run_engine_side_apart(args)
+            one = argparse.Namespace(**vars(args))
+            if args.py_spy:  # (each start's stacks a file of their own: PREFIX_start<k>_...)
+                one.py_spy = f"{args.py_spy}_start{len(result['starts'])}"
+            r = run_server_side(one) if side == "server" else run_engine_side_apart(one)
             result["starts"].append({"side": side, **r})
             write_result(result, args.out, load)  # (kept if a later start does not finish)
     medians: dict = {}
