@@ -184,9 +184,13 @@ async def warm_then_measure(send, args, result: dict, snapshot, since,
             rounds[-1].update(since(before))
         if args.repeats > 1:
             result[name]["rounds"] = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
-            result[name]["median_of_rounds"] = {
-                k: statistics.median(vals) for k in ROUND_KEYS
-                if (vals := [r[k] for r in rounds if r.get(k) is not None])}
+            result[name]["median_of_rounds"] = median_numbers(rounds)
+
+
+def median_numbers(rows: list[dict]) -> dict:
+    """The median of each ROUND_KEYS number over the rows that have it."""
+    return {k: statistics.median(vals) for k in ROUND_KEYS
+            if (vals := [r[k] for r in rows if r.get(k) is not None])}
 
 
 def start_py_spy(args, side: str, pid: int) -> tuple[subprocess.Popen, str] | None:
@@ -423,17 +427,12 @@ def run_starts(args, result: dict, load) -> None:
             r = run_server_side(one) if side == "server" else run_engine_side_apart(one)
             result["starts"].append({"side": side, **r})
             write_result(result, args.out, load)  # (kept if a later start does not finish)
-    medians: dict = {}
-    for side in sides:
-        runs = [r for r in result["starts"] if r["side"] == side]
-        medians[side] = {f"c{c}": {k: statistics.median(vals) for k in ROUND_KEYS if (
-            vals := [level_numbers(r, c)[k] for r in runs
-                     if level_numbers(r, c).get(k) is not None])}
-            for c in args.concurrency}
+    runs = {side: [r for r in result["starts"] if r["side"] == side] for side in sides}
+    medians = {side: {f"c{c}": median_numbers([level_numbers(r, c) for r in runs[side]])
+                      for c in args.concurrency} for side in sides}
     result["median_of_starts"] = medians
     if args.side == "both":
-        server = [r for r in result["starts"] if r["side"] == "server"]
-        engine = [r for r in result["starts"] if r["side"] == "engine"]
+        server, engine = runs["server"], runs["engine"]
         result["server_over_engine"] = {
             f"c{c}": ratios(medians["server"][f"c{c}"], medians["engine"][f"c{c}"])
             for c in args.concurrency}

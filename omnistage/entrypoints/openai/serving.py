@@ -274,10 +274,11 @@ class RequestTimeline:
 
 
 class RequestStream:
-    """Runs one request's async generator in its own task so that a client disconnect (polled
-    every `poll` seconds) or cancel() aborts it in every stage: cancelling the task cancels
-    AsyncOmniLLM.generate, whose cleanup aborts the request in the runtime. end() (server
-    shutdown) makes the consumer's next() raise ServerShuttingDown."""
+    """Runs one request's outputs (llm.start()'s RequestOutputs, or any async iterator) in a
+    task of its own so that a client disconnect (polled every `poll` seconds) or cancel()
+    aborts it in every stage: cancel() cancels the task and closes RequestOutputs, which
+    aborts the request in the runtime even if the task never ran. end() (server shutdown)
+    makes the consumer's next() raise ServerShuttingDown."""
 
     def __init__(self, gen: AsyncIterator[OmniRequestOutput], request: Request | None,
                  poll: float = 0.25, rid: str = "",
