@@ -46,6 +46,8 @@ def test_engine_placement(server):
     assert ("engine_process" in phases) == server.engine_process
     # the engine process froze its own start-up heap too
     assert ("engine_gc_freeze" in phases) == server.engine_process
+    # the serving process runs at the shorter GIL switch interval (server.shorten_switch_interval)
+    assert "GIL switch interval: 0.5 ms" in server.log_path.read_text()
 
 
 @pytest.fixture(scope="module")

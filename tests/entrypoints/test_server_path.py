@@ -10,6 +10,7 @@ import asyncio
 import base64
 import gc
 import json
+import sys
 import threading
 import time
 import weakref
@@ -21,7 +22,9 @@ import pytest
 from omnistage import AsyncOmniLLM
 from omnistage.entrypoints.async_llm import Mailbox
 from omnistage.entrypoints.openai.metrics import ServerMetrics
-from omnistage.entrypoints.openai.server import build_app, freeze_startup_heap, warm_up_http
+from omnistage.entrypoints.openai.server import (SERVING_SWITCH_INTERVAL, build_app,
+                                                 freeze_startup_heap, shorten_switch_interval,
+                                                 warm_up_http)
 from omnistage.entrypoints.openai.serving import RequestStream, RequestTimeline, ServerConfig
 from omnistage.outputs import OmniRequestOutput
 from tests.entrypoints.server_utils import ThreadServer, metric, scrape
@@ -48,6 +51,18 @@ def test_start_up_heap_is_frozen_after_its_garbage_is_collected():
         assert not any(o is alive for o in gc.get_objects())  # frozen: out of every generation
     finally:
         gc.unfreeze()
+
+
+def test_serving_switch_interval_is_shorter_than_pythons():
+    """The serving process's GIL switch interval: the runtime's thread waits at most that long
+    for the GIL the HTTP loop holds (Python's default is 5 ms)."""
+    before = sys.getswitchinterval()
+    try:
+        assert shorten_switch_interval() == before
+        assert sys.getswitchinterval() == pytest.approx(SERVING_SWITCH_INTERVAL)
+        assert SERVING_SWITCH_INTERVAL < 0.005
+    finally:
+        sys.setswitchinterval(before)
 
 
 # ------------------------------------------------------------------ the mailbox
