@@ -27,6 +27,7 @@ engine side then runs on the client's CPUs). `--repeats N` measures each level N
 start, and their median; `--starts N` starts each side N times, alternating (server, engine,
 engine, server, ...; the engine side then in a process of its own per start), and reports the
 median over starts and each pair's ratios: one start's numbers moved by more than the gap.
+`--side server --starts N --server-arg-b ARG` is an A/B of server arguments the same way.
 `--no-stream` asks the server for whole answers, an A/B of the SSE path (the runtime's TTFT /
 TTFA still come from /metrics).
 
@@ -391,10 +392,10 @@ def level_numbers(side_result: dict, c: int) -> dict:
     return r.get("median_of_rounds") or r
 
 
-def ratios(server: dict, engine: dict) -> dict:
-    """server / engine for ROUND_KEYS, where both sides have the number."""
-    return {k: round(server[k] / engine[k], 3) for k in ROUND_KEYS
-            if server.get(k) and engine.get(k)}
+def ratios(top: dict, bottom: dict) -> dict:
+    """top / bottom (server / engine, or B / A) for ROUND_KEYS, where both have the number."""
+    return {k: round(top[k] / bottom[k], 3) for k in ROUND_KEYS
+            if top.get(k) and bottom.get(k)}
 
 
 def run_one_start(args, result: dict, load) -> None:
@@ -416,16 +417,28 @@ def run_one_start(args, result: dict, load) -> None:
 def run_starts(args, result: dict, load) -> None:
     """--starts N: each side started N times, alternating (server, engine, engine, server,
     ...), every start's result kept; the median over starts per side and level, the server
-    over the engine from those medians, and each pair's own ratios (their spread)."""
+    over the engine from those medians, and each pair's own ratios (their spread). With
+    --server-arg-b the two sides are the server's variants A ("server") and B ("server_b"),
+    and the ratios B over A."""
     sides = ("server", "engine") if args.side == "both" else (args.side,)
+    if args.server_arg_b:  # (an A/B of server arguments: "server_b" starts add them)
+        sides = ("server", "server_b")
     result["starts"] = []
     for i in range(args.starts):
         for side in (sides if i % 2 == 0 else sides[::-1]):
             one = argparse.Namespace(**vars(args))
             if args.py_spy:  # (each start's stacks a file of their own: PREFIX_start<k>_...)
                 one.py_spy = f"{args.py_spy}_start{len(result['starts'])}"
-            r = run_server_side(one) if side == "server" else run_engine_side_apart(one)
-            result["starts"].append({"side": side, **r})
+            k = len(result["starts"])
+            if side != "engine":  # (each start's server log a file of its own)
+                log = Path(args.server_log)
+                one.server_log = str(log.with_name(f"{log.stem}_start{k}{log.suffix}"))
+            if side == "server_b":
+                one.server_arg = [*args.server_arg, *args.server_arg_b]
+            r = run_engine_side_apart(one) if side == "engine" else run_server_side(one)
+            result["starts"].append({"side": side, **r} | (
+                {"server_args": one.server_arg, "server_log": one.server_log}
+                if side != "engine" else {}))
             write_result(result, args.out, load)  # (kept if a later start does not finish)
     runs = {side: [r for r in result["starts"] if r["side"] == side] for side in sides}
     medians = {side: {f"c{c}": median_numbers([level_numbers(r, c) for r in runs[side]])
@@ -439,6 +452,13 @@ def run_starts(args, result: dict, load) -> None:
         result["server_over_engine_per_pair"] = [
             {f"c{c}": ratios(level_numbers(s, c), level_numbers(e, c)) for c in args.concurrency}
             for s, e in zip(server, engine, strict=True)]
+    if args.server_arg_b:
+        result["b_over_a"] = {f"c{c}": ratios(medians["server_b"][f"c{c}"],
+                                              medians["server"][f"c{c}"])
+                              for c in args.concurrency}
+        result["b_over_a_per_pair"] = [
+            {f"c{c}": ratios(level_numbers(b, c), level_numbers(a, c)) for c in args.concurrency}
+            for a, b in zip(runs["server"], runs["server_b"], strict=True)]
 
 
 def main() -> None:
@@ -462,6 +482,11 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=1,
                     help="start each side this many times, alternating (the median over "
                     "starts, and each pair's ratios)")
+    ap.add_argument("--server-arg-b", action="append", default=[], metavar="ARG",
+                    help="an A/B of server arguments (with --side server and --starts N): the "
+                    "starts alternate A (--server-arg only) and B (these too), A, B, B, A, ...; "
+                    "each one's median over its starts, and B over A (e.g. "
+                    "--server-arg-b=--switch-interval-ms=5)")
     ap.add_argument("--no-stream", action="store_true",
                     help="the server side's requests not streamed (an A/B of the SSE path's "
                     "cost: the runtime's TTFT / TTFA still come from /metrics)")
@@ -488,6 +513,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.py_spy_startup and not args.py_spy:
         ap.error("--py-spy-startup: needs --py-spy PREFIX (where the stacks go)")
+    if args.server_arg_b and (args.side != "server" or args.starts < 2):
+        ap.error("--server-arg-b: needs --side server and --starts 2 or more (an A/B of starts)")
     if args.py_spy and shutil.which(args.py_spy_exe) is None:
         ap.error(f"--py-spy-exe: {args.py_spy_exe!r} is not an executable on PATH")
     try:
@@ -509,8 +536,9 @@ def main() -> None:
                     "client_cpus": sorted(os.sched_getaffinity(0))}
     (run_starts if args.starts > 1 else run_one_start)(args, result, load)
     write_result(result, args.out, load)
-    if Path(args.server_log).is_file() and args.side != "engine":
-        print(f"server log: {args.server_log}")
+    if args.side != "engine":
+        print(f"server log: {args.server_log}" if args.starts == 1 else
+              f"server logs: {args.server_log} with _start<k> before its suffix")
 
 
 if __name__ == "__main__":

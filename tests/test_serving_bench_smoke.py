@@ -93,3 +93,27 @@ def test_alternating_starts(tmp_path):
     assert len(result["server_over_engine_per_pair"]) == 2
     assert result["server_over_engine"]["c1"]["ttfa_p50"] > 0
     assert "server" not in result and "engine" not in result  # (each start is in "starts")
+
+
+def test_server_argument_ab(tmp_path):
+    """--server-arg-b with --side server --starts 2: variants A, B, B, A (B's starts with the
+    extra argument, which reaches the server: its log says so), each one's median over its
+    starts, and B over A from those and per pair."""
+    out = tmp_path / "serving.json"
+    proc = run(tmp_path, "--side", "server", "--starts", "2", "--concurrency", "1",
+               "--server-arg-b=--switch-interval-ms=5", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    starts = result["starts"]
+    assert [s["side"] for s in starts] == ["server", "server_b", "server_b", "server"]
+    for start in starts:
+        assert start["c1"]["completed"] == 1 and start["c1"]["errors"] == 0, start["side"]
+        b = start["side"] == "server_b"
+        assert ("--switch-interval-ms=5" in start["server_args"]) == b
+        log = (tmp_path / start["server_log"]).read_text()
+        assert f"GIL switch interval: {5 if b else 0.5} ms" in log, start["server_log"]
+    for side in ("server", "server_b"):
+        assert result["median_of_starts"][side]["c1"]["ttfa_p50"] > 0
+    assert result["b_over_a"]["c1"]["ttfa_p50"] > 0 and len(result["b_over_a_per_pair"]) == 2
+    proc = run(tmp_path, "--starts", "2", "--server-arg-b=--switch-interval-ms=5")
+    assert proc.returncode == 2 and "--server-arg-b: needs --side server" in proc.stderr

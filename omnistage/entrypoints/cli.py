@@ -205,7 +205,8 @@ def cmd_serve(args) -> int:
         served_model_names=names, api_key=args.api_key or env.api_key(),
         max_queue=args.max_queue, max_request_bytes=int(args.max_request_mb * (1 << 20)),
         allow_remote_media=args.allow_remote_media, allow_local_media=args.allow_local_media,
-        max_audio_seconds=args.max_audio_seconds, shutdown_timeout=args.shutdown_timeout)
+        max_audio_seconds=args.max_audio_seconds, shutdown_timeout=args.shutdown_timeout,
+        switch_interval_ms=args.switch_interval_ms)
     config.validate()  # before any model loading
     model = args.model or EMBEDDED_MODEL_NAME
     if model in EMBEDDED_MODELS:
@@ -266,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="video_url may name a file on the server")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
+    s.add_argument("--switch-interval-ms", type=float, default=0.5,
+                   help="Python's GIL switch interval while serving (Python's default: 5): "
+                   "how long the runtime's thread may wait for the GIL the HTTP loop holds")
     s.add_argument("--log-level", default=None, choices=list(env.LOG_LEVELS),
                    help="default: $OMNISTAGE_LOG_LEVEL, else info")
     s.add_argument("--access-log", action="store_true")

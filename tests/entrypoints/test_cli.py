@@ -77,3 +77,6 @@ def test_generate_and_serve_reject_bad_arguments(tiny_omni_dir, capsys):
     assert main(["generate", str(tiny_omni_dir), "--audio", "/nonexistent.wav"]) == 2
     assert main(["serve", str(tiny_omni_dir), "--max-queue", "0"]) == 2
     assert "max_queue" in capsys.readouterr().err
+    for interval in ("0", "nan", "1e9"):  # (checked before any model loading)
+        assert main(["serve", str(tiny_omni_dir), "--switch-interval-ms", interval]) == 2
+        assert "switch_interval_ms: 0.05 to 100.0" in capsys.readouterr().err

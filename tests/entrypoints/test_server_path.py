@@ -22,9 +22,8 @@ import pytest
 from omnistage import AsyncOmniLLM
 from omnistage.entrypoints.async_llm import Mailbox
 from omnistage.entrypoints.openai.metrics import ServerMetrics
-from omnistage.entrypoints.openai.server import (SERVING_SWITCH_INTERVAL, build_app,
-                                                 freeze_startup_heap, shorten_switch_interval,
-                                                 warm_up_http)
+from omnistage.entrypoints.openai.server import (build_app, freeze_startup_heap,
+                                                 set_switch_interval, warm_up_http)
 from omnistage.entrypoints.openai.serving import RequestStream, RequestTimeline, ServerConfig
 from omnistage.outputs import OmniRequestOutput
 from tests.entrypoints.server_utils import ThreadServer, metric, scrape
@@ -53,14 +52,16 @@ def test_start_up_heap_is_frozen_after_its_garbage_is_collected():
         gc.unfreeze()
 
 
-def test_serving_switch_interval_is_shorter_than_pythons():
-    """The serving process's GIL switch interval: the runtime's thread waits at most that long
-    for the GIL the HTTP loop holds (Python's default is 5 ms)."""
+def test_serving_sets_the_gil_switch_interval():
+    """The serving process's GIL switch interval (ServerConfig.switch_interval_ms): the
+    runtime's thread waits at most that long for the GIL the HTTP loop holds. Its default is
+    shorter than Python's 5 ms."""
     before = sys.getswitchinterval()
     try:
-        assert shorten_switch_interval() == before
-        assert sys.getswitchinterval() == pytest.approx(SERVING_SWITCH_INTERVAL)
-        assert SERVING_SWITCH_INTERVAL < 0.005
+        assert set_switch_interval(2.0) == before
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        assert set_switch_interval(ServerConfig(["m"]).switch_interval_ms) == pytest.approx(0.002)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)
 

@@ -345,21 +345,17 @@ def freeze_startup_heap() -> float:
     return seconds
 
 
-# Python's GIL switch interval while serving (its default: 5 ms). The runtime's thread shares the
-# interpreter with the HTTP loop: when a stage's step ends while the loop is writing a burst of
-# stream events, the runtime waits for the GIL until the loop lets go, or until this interval
-# has passed and it asks for it. A shorter interval bounds that wait; measured at c32 on an
-# H200, alternating starts: serving_h200_starts_pinning_switch_interval_session31_issue24_*.json.
-SERVING_SWITCH_INTERVAL = 0.0005
-
-
-def shorten_switch_interval() -> float:
-    """Set the serving process's GIL switch interval (SERVING_SWITCH_INTERVAL); returns the
-    one it replaces."""
+# NOTE (the GIL switch interval while serving, ServerConfig.switch_interval_ms): the runtime's
+# thread shares the interpreter with the HTTP loop. When a stage's step ends while the loop is
+# writing a burst of stream events, the runtime waits for the GIL until the loop lets go, or
+# until the switch interval (Python's: 5 ms) has passed and it asks for it. A shorter interval
+# bounds that wait; measured at c32 on an H200, alternating starts:
+# serving_h200_starts_pinning_switch_interval_session31_issue24_2026-11-29.json.
+def set_switch_interval(milliseconds: float) -> float:
+    """Set this process's GIL switch interval; returns the one it replaces (seconds)."""
     before = sys.getswitchinterval()
-    sys.setswitchinterval(SERVING_SWITCH_INTERVAL)
-    log.info("GIL switch interval: %.1f ms (was %.1f ms)", SERVING_SWITCH_INTERVAL * 1e3,
-             before * 1e3)
+    sys.setswitchinterval(milliseconds / 1e3)
+    log.info("GIL switch interval: %g ms (was %g ms)", milliseconds, before * 1e3)
     return before
 
 
@@ -404,7 +400,7 @@ def run_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8
             llm.startup_seconds["http_warmup"] = seconds
             log.info("warm-up request through the HTTP app: %.2f s", seconds)
         llm.startup_seconds["gc_freeze"] = freeze_startup_heap()
-        shorten_switch_interval()  # (after start-up: only serving runs at the shorter one)
+        set_switch_interval(config.switch_interval_ms)  # (serving only, not the start-up)
         app = build_app(llm, config)
         log_placement(llm)
         # (uvicorn's own wait comes after the drain: for connections still open then)

@@ -45,6 +45,9 @@ END_GRACE_SECONDS = 5.0
 _DRAIN_POLL_SECONDS = 0.05
 
 
+SWITCH_INTERVAL_MS = (0.05, 100.0)  # the bounds of ServerConfig.switch_interval_ms
+
+
 @dataclass
 class ServerConfig:
     served_model_names: list[str]
@@ -59,6 +62,8 @@ class ServerConfig:
     audio_expiry_seconds: int = 3600
     # requests waiting for or in request preparation (tokenising, media decoding); more get 429
     max_pending_prepares: int = 64
+    # Python's GIL switch interval once serving (server.set_switch_interval; Python's: 5 ms)
+    switch_interval_ms: float = 0.5
 
     def validate(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -72,6 +77,9 @@ class ServerConfig:
         if self.max_pending_prepares < 1:
             raise ValueError(f"max_pending_prepares: must be >= 1, got "
                              f"{self.max_pending_prepares}")
+        if not SWITCH_INTERVAL_MS[0] <= self.switch_interval_ms <= SWITCH_INTERVAL_MS[1]:
+            raise ValueError(f"switch_interval_ms: {SWITCH_INTERVAL_MS[0]} to "
+                             f"{SWITCH_INTERVAL_MS[1]}, got {self.switch_interval_ms}")
 
 
 class ServerShuttingDown(APIError):
