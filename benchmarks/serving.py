@@ -426,10 +426,9 @@ def run_starts(args, result: dict, load) -> None:
     result["starts"] = []
     for i in range(args.starts):
         for side in (sides if i % 2 == 0 else sides[::-1]):
-            one = argparse.Namespace(**vars(args))
+            one, k = argparse.Namespace(**vars(args)), len(result["starts"])
             if args.py_spy:  # (each start's stacks a file of their own: PREFIX_start<k>_...)
-                one.py_spy = f"{args.py_spy}_start{len(result['starts'])}"
-            k = len(result["starts"])
+                one.py_spy = f"{args.py_spy}_start{k}"
             if side != "engine":  # (each start's server log a file of its own)
                 log = Path(args.server_log)
                 one.server_log = str(log.with_name(f"{log.stem}_start{k}{log.suffix}"))
