@@ -1,6 +1,8 @@
 """The runtime thread beside a busy event loop, at Python's default GIL switch interval (5 ms)
-and at 0.5 ms, in one run. (The runtime used 0.5 ms in session 19; the 7B engine side on an
-H200 was slower with it, so it keeps Python's: docs/quickstart.md.)
+and at 0.5 ms, in one run. (The Python API keeps Python's interval: the 7B engine side on an
+H200 was not faster with 0.5 ms in session 20. `omnistage serve` runs at 0.5 ms since session 31,
+`--switch-interval-ms`: over alternating starts on an H200 it beat 5 ms at c32;
+docs/quickstart.md.)
 
 A model of the server process, no GPU needed: the "runtime" thread runs steps of `--launch-ms`
 of Python (launch), `--gpu-ms` with the GIL released (waiting for the GPU), `--launch-ms` again
