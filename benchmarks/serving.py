@@ -429,35 +429,33 @@ def run_starts(args, result: dict, load) -> None:
             one, k = argparse.Namespace(**vars(args)), len(result["starts"])
             if args.py_spy:  # (each start's stacks a file of their own: PREFIX_start<k>_...)
                 one.py_spy = f"{args.py_spy}_start{k}"
-            if side != "engine":  # (each start's server log a file of its own)
+            if side == "engine":
+                r = run_engine_side_apart(one)
+            else:  # (each start's server log a file of its own)
                 log = Path(args.server_log)
                 one.server_log = str(log.with_name(f"{log.stem}_start{k}{log.suffix}"))
-            if side == "server_b":
-                one.server_arg = [*args.server_arg, *args.server_arg_b]
-            r = run_engine_side_apart(one) if side == "engine" else run_server_side(one)
-            result["starts"].append({"side": side, **r} | (
-                {"server_args": one.server_arg, "server_log": one.server_log}
-                if side != "engine" else {}))
+                if side == "server_b":
+                    one.server_arg = [*args.server_arg, *args.server_arg_b]
+                r = {**run_server_side(one), "server_args": one.server_arg,
+                     "server_log": one.server_log}
+            result["starts"].append({"side": side, **r})
             write_result(result, args.out, load)  # (kept if a later start does not finish)
     runs = {side: [r for r in result["starts"] if r["side"] == side] for side in sides}
     medians = {side: {f"c{c}": median_numbers([level_numbers(r, c) for r in runs[side]])
                       for c in args.concurrency} for side in sides}
     result["median_of_starts"] = medians
+
+    def compare(name: str, top: str, bottom: str) -> None:  # top / bottom, overall and per pair
+        result[name] = {f"c{c}": ratios(medians[top][f"c{c}"], medians[bottom][f"c{c}"])
+                        for c in args.concurrency}
+        result[f"{name}_per_pair"] = [
+            {f"c{c}": ratios(level_numbers(t, c), level_numbers(b, c)) for c in args.concurrency}
+            for t, b in zip(runs[top], runs[bottom], strict=True)]
+
     if args.side == "both":
-        server, engine = runs["server"], runs["engine"]
-        result["server_over_engine"] = {
-            f"c{c}": ratios(medians["server"][f"c{c}"], medians["engine"][f"c{c}"])
-            for c in args.concurrency}
-        result["server_over_engine_per_pair"] = [
-            {f"c{c}": ratios(level_numbers(s, c), level_numbers(e, c)) for c in args.concurrency}
-            for s, e in zip(server, engine, strict=True)]
+        compare("server_over_engine", "server", "engine")
     if args.server_arg_b:
-        result["b_over_a"] = {f"c{c}": ratios(medians["server_b"][f"c{c}"],
-                                              medians["server"][f"c{c}"])
-                              for c in args.concurrency}
-        result["b_over_a_per_pair"] = [
-            {f"c{c}": ratios(level_numbers(b, c), level_numbers(a, c)) for c in args.concurrency}
-            for a, b in zip(runs["server"], runs["server_b"], strict=True)]
+        compare("b_over_a", "server_b", "server")
 
 
 def main() -> None:
