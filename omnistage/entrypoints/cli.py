@@ -219,7 +219,8 @@ def cmd_serve(args) -> int:
                    **_engine_kwargs(args), **ray)
     if args.engine_process:
         from omnistage.entrypoints.engine_client import EngineClient
-        llm = EngineClient(model, log_level=args.log_level, **options)
+        llm = EngineClient(model, log_level=args.log_level,
+                           switch_interval_ms=config.switch_interval_ms, **options)
     else:
         llm = AsyncOmniLLM(model, **options)
     if args.warmup:  # before /health answers: the first request runs as fast as the next

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from omnistage.entrypoints.async_llm import (Mailbox, NotAdmitted, RequestOutputs,
@@ -117,12 +118,15 @@ class EngineClient:
     """AsyncOmniLLM's serving surface over an engine process (module docstring)."""
 
     def __init__(self, model: str, log_level: str = "info",
-                 start_timeout: float = START_TIMEOUT_S, **options: Any) -> None:
-        """options: AsyncOmniLLM's keyword arguments (picklable), used in the engine process."""
+                 start_timeout: float = START_TIMEOUT_S, switch_interval_ms: float | None = None,
+                 **options: Any) -> None:
+        """options: AsyncOmniLLM's keyword arguments (picklable), used in the engine process;
+        switch_interval_ms: the engine process's GIL switch interval once built (None: Python's),
+        as the server sets its own (ServerConfig.switch_interval_ms)."""
         ctx = mp.get_context("spawn")  # (CUDA cannot be forked)
         self._conn, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=engine_main, args=(child, model, options, log_level),
-                                    name="omnistage-engine")
+        self._process = ctx.Process(target=engine_main, name="omnistage-engine",
+                                    args=(child, model, options, log_level, switch_interval_ms))
         t0 = time.perf_counter()
         self._process.start()
         log.info("engine process %d: starting", self._process.pid)
@@ -139,7 +143,8 @@ class EngineClient:
         self._lock = threading.Lock()  # the tables below (reader thread and event loops)
         self._calls = itertools.count()
         self._handles = itertools.count()
-        self._pending: dict[int, tuple[Future, int | None]] = {}  # call -> (future, handle)
+        # call -> (future, handle, the stream of a start(): its mailbox and queue)
+        self._pending: dict[int, tuple[Future, int | None, tuple | None]] = {}
         self._running: dict[int, tuple[Mailbox, asyncio.Queue, EngineRequest]] = {}
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._preparing = 0
@@ -200,12 +205,12 @@ class EngineClient:
         except RuntimeShutDown as e:
             log.debug("engine: %s not sent: %s", type(msg).__name__, e)
 
-    def _call(self, make, handle: int | None = None) -> Future:
+    def _call(self, make, handle: int | None = None, stream: tuple | None = None) -> Future:
         """Send make(call id); the future gets its Reply's value or error."""
         fut: Future = Future()
         with self._lock:
             call = next(self._calls)
-            self._pending[call] = (fut, handle)
+            self._pending[call] = (fut, handle, stream)
         try:
             self._send(make(call))
         except RuntimeShutDown as e:
@@ -248,7 +253,7 @@ class EngineClient:
 
     def _reply(self, msg: Reply) -> None:
         with self._lock:
-            fut, handle = self._pending.pop(msg.call, (None, None))
+            fut, handle, stream = self._pending.pop(msg.call, (None, None, None))
         if fut is None:
             return
         if msg.error is not None:
@@ -258,7 +263,11 @@ class EngineClient:
             fut.set_exception(cls(text if cls is not RuntimeError else f"{name}: {text}"))
             return
         if handle is not None:  # a preparation: its handle, made here so that it is never lost
-            msg.value = EngineRequest(self, handle, msg.value)
+            req = msg.value = EngineRequest(self, handle, msg.value)
+            if stream is not None:  # a start(): it runs there, and its outputs come after this
+                req._release.detach()  # (nothing waits there to be dropped)
+                with self._lock:
+                    self._running[handle] = (*stream, req)
         fut.set_result(msg.value)
 
     def _gone(self, reason: str) -> None:
@@ -269,7 +278,7 @@ class EngineClient:
             running, self._running = self._running, {}
         if not self._closing:
             log.error("engine: %s", reason)
-        for fut, _ in pending.values():
+        for fut, _, _ in pending.values():
             fut.set_exception(RuntimeShutDown(f"the omnistage engine is gone ({reason})"))
         for box, queue, req in running.values():
             box.post(queue, OmniRequestOutput(req.request_id, finished=True,
@@ -301,11 +310,43 @@ class EngineClient:
                     output_modalities: list[str] | None = None, request_id: str | None = None,
                     admit: Callable[[EngineRequest], bool] | None = None
                     ) -> tuple[EngineRequest, RequestOutputs]:
-        """AsyncOmniLLM.start(): prepared in the engine process, then run there at once."""
-        req = await self.prepare(prompt, sampling_params, output_modalities, request_id)
+        """AsyncOmniLLM.start() in one message: the engine process's preparation thread
+        prepares the request, answers, and submits it to the runtime there at once (prepare()
+        then run() cost a second round trip through both processes' busy threads). admit(req)
+        runs here when the answer comes, so after the submission: a refusal aborts the request
+        there and raises NotAdmitted. A caller cancelled before the answer aborts it too."""
+        check_request_id(request_id)
+        if self._closing:
+            raise RuntimeShutDown("the omnistage runtime was shut down")
+        handle = next(self._handles)
+        queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
+        stream = (self.mailbox(asyncio.get_running_loop()), queue)
+        with self._lock:
+            self._preparing += 1
+        fut = self._call(lambda call: PrepareCall(call, handle, prompt, sampling_params,
+                                                  output_modalities, request_id, run=True),
+                         handle, stream)
+        fut.add_done_callback(self._prepare_done)
+        try:
+            req = await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:  # it runs there once prepared: abort it when it is
+            fut.add_done_callback(self._abandon_started)
+            raise
+        outputs = RequestOutputs(queue, partial(self._abandon, req))
         if admit is not None and not admit(req):
+            outputs.close()
             raise NotAdmitted(f"request {req.request_id}: not admitted")
-        return req, self._submit(req)
+        return req, outputs
+
+    def _abandon_started(self, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._abandon(fut.result())
+
+    def _abandon(self, req: EngineRequest) -> None:
+        """A running request's stream was closed before its end: abort it in the engine."""
+        with self._lock:
+            self._running.pop(req.handle, None)
+        self._send_quietly(AbortCall(req.request_id, "request cancelled"))
 
     async def run(self, req: EngineRequest):
         """Submit a prepared request in the engine and yield its outputs (AsyncOmniLLM.run)."""
@@ -326,13 +367,7 @@ class EngineClient:
                                               error=f"the omnistage engine is gone ({dead})"))
         else:
             self._send_quietly(RunCall(req.handle))  # (a lost engine ends the stream: _gone)
-
-        def abandon() -> None:
-            with self._lock:
-                self._running.pop(req.handle, None)
-            self._send_quietly(AbortCall(req.request_id, "request cancelled"))
-
-        return RequestOutputs(queue, abandon)
+        return RequestOutputs(queue, partial(self._abandon, req))
 
     async def abort(self, request_id: str) -> None:
         self._send_quietly(AbortCall(request_id, "request aborted"))

@@ -17,7 +17,8 @@ EngineClient (engine_client.py) has the surface of AsyncOmniLLM that the server 
 (prepare, run, abort, preparing, warmup, shutdown, runtime for /health and /metrics, the
 pipeline's front-end facts, tokenizer, startup_seconds). prepare() returns an EngineRequest, a
 handle: the RuntimeRequest stays in the engine process until run(handle) submits it there, and
-is dropped there when the handle is dropped unrun. Messages are the typed dataclasses below,
+is dropped there when the handle is dropped unrun. start() is one message: the engine prepares
+the request and submits it at once (PrepareCall.run). Messages are the typed dataclasses below,
 pickled; outputs of one runtime pass go up in one message (_Outbox), as AsyncOmniLLM's mailbox
 does."""
 
@@ -57,6 +58,7 @@ class PrepareCall:
     params: Any
     modalities: list[str] | None
     request_id: str | None
+    run: bool = False  # start(): run it as soon as it is prepared (no RunCall follows)
 
 
 @dataclass
@@ -264,8 +266,7 @@ class _EngineServer:
                                         error="internal error: no prepared request to run")
                 self.outbox.put(msg.handle, 0.0, out)
                 return
-            handle = msg.handle
-            llm.runtime.submit(req, lambda out: self.outbox.put(handle, req.arrival, out))
+            self._run(msg.handle, req)
         elif isinstance(msg, DropCall):
             with self.prepared_lock:
                 self.prepared.pop(msg.handle, None)
@@ -296,7 +297,11 @@ class _EngineServer:
             return
         self.send(Reply(call, value))
 
+    def _run(self, handle: int, req: Any) -> None:
+        self.llm.runtime.submit(req, lambda out: self.outbox.put(handle, req.arrival, out))
+
     def _prepare(self, msg: PrepareCall) -> None:  # (on a preparation thread)
+        req = None
         try:
             req = self.llm.prepare_now(msg.prompt, msg.params, msg.modalities, msg.request_id)
         except Exception as e:  # noqa: BLE001 - ValueError is the client's 400; others its 500
@@ -304,14 +309,21 @@ class _EngineServer:
                 log.exception("engine: preparing a request failed")
             reply = Reply(msg.call, error=(type(e).__name__, str(e)))
         else:
-            with self.prepared_lock:
-                self.prepared[msg.handle] = req
+            if not msg.run:
+                with self.prepared_lock:
+                    self.prepared[msg.handle] = req
             reply = Reply(msg.call, Prepared(req.request_id, list(req.prompt_token_ids)))
         try:
             self.send(reply)
         except OSError as e:  # the server is gone (the main thread stops the engine)
             log.warning("engine: a preparation's answer not sent, the server's pipe is closed "
                         "(%s)", e)
+            return
+        if req is not None and msg.run:
+            # after its answer, from this thread: the pipe keeps order, so the server knows
+            # the request before any output of it comes (and no RunCall round trip waits for
+            # the server's busy loop and reader thread)
+            self._run(msg.handle, req)
 
 
 def snapshot(runtime, prepared: int) -> RuntimeSnapshot:
@@ -320,8 +332,10 @@ def snapshot(runtime, prepared: int) -> RuntimeSnapshot:
                            runtime.num_active(), prepared)
 
 
-def engine_main(conn: Connection, model: str, options: dict[str, Any], log_level: str) -> None:
-    """The engine process: build, say Ready (or StartFailed), serve, stop in order."""
+def engine_main(conn: Connection, model: str, options: dict[str, Any], log_level: str,
+                switch_interval_ms: float | None = None) -> None:
+    """The engine process: build, say Ready (or StartFailed), serve, stop in order.
+    switch_interval_ms: this process's GIL switch interval once built (None: Python's)."""
     # Ctrl-C in a terminal reaches the whole process group: the server drains and then stops
     # this process; it must not die first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -333,9 +347,13 @@ def engine_main(conn: Connection, model: str, options: dict[str, Any], log_level
         log.exception("engine: start-up failed")
         send_message(conn, lock, StartFailed(f"{type(e).__name__}: {e}"))
         return
-    from omnistage.entrypoints.openai.server import freeze_startup_heap, log_placement
+    from omnistage.entrypoints.openai.server import (freeze_startup_heap, log_placement,
+                                                     set_switch_interval)
     # (this process serves until the server stops it)
     llm.startup_seconds["engine_gc_freeze"] = freeze_startup_heap()
+    if switch_interval_ms is not None:  # its runtime thread shares this interpreter with the
+        # pipe's reader, the outbox and the preparation pool: the server's reason, here too
+        set_switch_interval(switch_interval_ms)
     server = _EngineServer(conn, lock, llm)
     log_placement(llm)
     reason = "start-up"

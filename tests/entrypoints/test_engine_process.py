@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from omnistage import SamplingParams
-from omnistage.entrypoints.async_llm import AsyncOmniLLM, RuntimeShutDown
+from omnistage.entrypoints.async_llm import AsyncOmniLLM, NotAdmitted, RuntimeShutDown
 from omnistage.entrypoints.engine_client import EngineClient
 from tests.entrypoints.server_utils import MODEL_NAME, ServerProcess
 
@@ -110,13 +110,86 @@ def test_a_cancelled_preparation_is_forgotten_in_the_engine(engine):
     assert _wait_until(lambda: _prepared(engine) == 0)
 
 
+def test_start_is_one_message_and_runs_as_the_in_process_engine(engine, tiny_omni_dir):
+    """start(): prepared and submitted in the engine process from one PrepareCall (no RunCall
+    round trip), with the same outputs as AsyncOmniLLM.start() in this process."""
+    async def start_and_collect(llm) -> tuple[list, list[int], int]:
+        req, outputs = await llm.start(PROMPT, _params(llm), request_id="same-start")
+        last, chunks = None, 0
+        async for last in outputs:
+            chunks += last.audio is not None
+        assert last.error is None and last.finished and req.request_id == "same-start"
+        return last.token_ids, last.stages["talker"].token_ids, chunks
+
+    local = AsyncOmniLLM(str(tiny_omni_dir), **OPTIONS)
+    try:
+        expected = asyncio.run(start_and_collect(local))
+    finally:
+        local.shutdown()
+    sent: list = []
+    send = engine._send
+    engine._send = lambda msg: (sent.append(msg), send(msg))[1]
+    try:
+        got = asyncio.run(start_and_collect(engine))
+    finally:
+        del engine._send
+    assert len(expected[0]) == 12 and len(expected[1]) == 40 and expected[2] > 0
+    assert got == expected
+    assert [type(m).__name__ for m in sent] == ["PrepareCall"] and sent[0].run
+    assert engine.preparing == 0 and _prepared(engine) == 0 and not engine._running
+
+
+def _running_in_engine(engine: EngineClient) -> int:
+    engine.runtime.stats()
+    return engine.runtime.num_active()
+
+
+def test_a_refused_start_is_aborted_in_the_engine(engine):
+    """admit() runs when the engine's answer comes, after the submission there: a refusal
+    raises NotAdmitted and aborts the request in the engine."""
+    seen = []
+
+    def refuse(req) -> bool:
+        seen.append(req.request_id)
+        return False
+
+    long = {**_params(engine), "talker": dataclasses.replace(
+        _params(engine)["talker"], max_tokens=4000, min_tokens=4000)}
+    with pytest.raises(NotAdmitted, match="not admitted"):
+        asyncio.run(engine.start(PROMPT, long, request_id="refused", admit=refuse))
+    assert seen == ["refused"]
+    assert _wait_until(lambda: _running_in_engine(engine) == 0)
+    assert not engine._running and engine.preparing == 0
+
+
+def test_a_cancelled_start_is_aborted_in_the_engine(engine):
+    """A caller cancelled before the engine's answer: the request, which runs there once
+    prepared, is aborted when the answer comes."""
+    long = {**_params(engine), "talker": dataclasses.replace(
+        _params(engine)["talker"], max_tokens=4000, min_tokens=4000)}
+
+    async def cancel_while_starting() -> None:
+        task = asyncio.ensure_future(engine.start(PROMPT, long, request_id="cancelled"))
+        await asyncio.sleep(0)  # (sent: the engine prepares and submits it all the same)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_starting())
+    assert _wait_until(lambda: engine.preparing == 0)
+    assert _wait_until(lambda: _running_in_engine(engine) == 0)
+    assert not engine._running
+
+
 def test_a_bad_request_names_its_field(engine):
     bad = SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match=r"max_tokens"):
         asyncio.run(engine.prepare(PROMPT, bad))
     with pytest.raises(ValueError, match=r"request_id"):
         asyncio.run(engine.prepare(PROMPT, None, request_id=""))
-    assert engine.alive and engine.preparing == 0
+    with pytest.raises(ValueError, match=r"max_tokens"):  # (start(): nothing runs there)
+        asyncio.run(engine.start(PROMPT, bad))
+    assert engine.alive and engine.preparing == 0 and not engine._running
 
 
 def test_a_failed_start_is_raised(tmp_path):
