@@ -26,7 +26,8 @@ A load generator on the server's machine takes CPU time the server would have: `
 engine side then runs on the client's CPUs). `--repeats N` measures each level N times on one
 start, and their median; `--starts N` starts each side N times, alternating (server, engine,
 engine, server, ...; the engine side then in a process of its own per start), and reports the
-median over starts and each pair's ratios: one start's numbers moved by more than the gap.
+median over starts and each pair's ratios: one start's numbers moved by more than the gap. A
+start on empty compile caches (a fresh machine's first) is kept but not in the medians.
 `--side server --starts N --server-arg-b ARG` is an A/B of server arguments the same way.
 `--no-stream` asks the server for whole answers, an A/B of the SSE path (the runtime's TTFT /
 TTFA still come from /metrics).
@@ -414,12 +415,28 @@ def run_one_start(args, result: dict, load) -> None:
             for c in args.concurrency}
 
 
+def compile_caches_empty() -> bool:
+    """Whether inductor's and Triton's caches (env.compile_cache_dirs, which the server and
+    the engine side use) hold nothing yet: a start on them compiles every kernel."""
+    from omnistage.config import env
+    return not any(Path(d).is_dir() and any(Path(d).iterdir())
+                   for d in env.compile_cache_dirs())
+
+
+def measured(runs: list[dict]) -> list[dict]:
+    """The starts a side's median is taken over: those that found the compile caches filled,
+    where there are any (a machine's first start compiles every kernel, a cost paid once per
+    machine, and only by whichever side starts first), else all."""
+    return [r for r in runs if not r["compile_caches_empty"]] or runs
+
+
 def run_starts(args, result: dict, load) -> None:
     """--starts N: each side started N times, alternating (server, engine, engine, server,
     ...), every start's result kept; the median over starts per side and level, the server
     over the engine from those medians, and each pair's own ratios (their spread). With
     --server-arg-b the two sides are the server's variants A ("server") and B ("server_b"),
-    and the ratios B over A."""
+    and the ratios B over A. A start on empty compile caches (`compile_caches_empty`) is kept
+    but left out of the medians (measured()); its pair's ratios say so."""
     sides = ("server", "engine") if args.side == "both" else (args.side,)
     if args.server_arg_b:  # (an A/B of server arguments: "server_b" starts add them)
         sides = ("server", "server_b")
@@ -427,6 +444,7 @@ def run_starts(args, result: dict, load) -> None:
     for i in range(args.starts):
         for side in (sides if i % 2 == 0 else sides[::-1]):
             one, k = argparse.Namespace(**vars(args)), len(result["starts"])
+            cold = compile_caches_empty()
             if args.py_spy:  # (each start's stacks a file of their own: PREFIX_start<k>_...)
                 one.py_spy = f"{args.py_spy}_start{k}"
             if side == "engine":
@@ -438,10 +456,11 @@ def run_starts(args, result: dict, load) -> None:
                     one.server_arg = [*args.server_arg, *args.server_arg_b]
                 r = {**run_server_side(one), "server_args": one.server_arg,
                      "server_log": one.server_log}
-            result["starts"].append({"side": side, **r})
+            result["starts"].append({"side": side, "compile_caches_empty": cold, **r})
             write_result(result, args.out, load)  # (kept if a later start does not finish)
     runs = {side: [r for r in result["starts"] if r["side"] == side] for side in sides}
-    medians = {side: {f"c{c}": median_numbers([level_numbers(r, c) for r in runs[side]])
+    medians = {side: {f"c{c}": median_numbers([level_numbers(r, c)
+                                               for r in measured(runs[side])])
                       for c in args.concurrency} for side in sides}
     result["median_of_starts"] = medians
 
@@ -449,7 +468,9 @@ def run_starts(args, result: dict, load) -> None:
         result[name] = {f"c{c}": ratios(medians[top][f"c{c}"], medians[bottom][f"c{c}"])
                         for c in args.concurrency}
         result[f"{name}_per_pair"] = [
-            {f"c{c}": ratios(level_numbers(t, c), level_numbers(b, c)) for c in args.concurrency}
+            {**{f"c{c}": ratios(level_numbers(t, c), level_numbers(b, c))
+                for c in args.concurrency},
+             "compile_caches_empty": t["compile_caches_empty"] or b["compile_caches_empty"]}
             for t, b in zip(runs[top], runs[bottom], strict=True)]
 
     if args.side == "both":

@@ -5,15 +5,19 @@ both sides, the per-level numbers and the server-over-engine ratios written."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
 def run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    # compile caches of its own, empty (compile_caches_empty: not what other tests left)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     return subprocess.run([sys.executable, "-m", "benchmarks.serving", "--concurrency", "1,2",
                            "--max-tokens", "4", "--codes", "16", "--warmup-rounds", "0",
                            "--server-log", str(tmp_path / "server.log"), *extra],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_both_sides_serve_every_request(tmp_path):
@@ -92,6 +96,10 @@ def test_alternating_starts(tmp_path):
         assert result["median_of_starts"][side]["c1"]["ttfa_p50"] > 0
     assert len(result["server_over_engine_per_pair"]) == 2
     assert result["server_over_engine"]["c1"]["ttfa_p50"] > 0
+    # (the tiny model on a CPU compiles nothing: every start found the caches empty)
+    assert [s["compile_caches_empty"] for s in result["starts"]] == [True] * 4
+    assert [p["compile_caches_empty"] for p in result["server_over_engine_per_pair"]] == \
+        [True, True]
     assert "server" not in result and "engine" not in result  # (each start is in "starts")
 
 
@@ -117,3 +125,15 @@ def test_server_argument_ab(tmp_path):
     assert result["b_over_a"]["c1"]["ttfa_p50"] > 0 and len(result["b_over_a_per_pair"]) == 2
     proc = run(tmp_path, "--starts", "2", "--server-arg-b=--switch-interval-ms=5")
     assert proc.returncode == 2 and "--server-arg-b: needs --side server" in proc.stderr
+
+
+def test_medians_leave_out_starts_on_empty_compile_caches():
+    """A fresh machine's first start compiles every kernel (once per machine, and only for the
+    side that starts first): the medians are over the starts that found the caches filled,
+    and over all when none did."""
+    from benchmarks.serving import measured
+    cold = {"compile_caches_empty": True, "c32": {"ttfa_p50": 0.9}}
+    warm = [{"compile_caches_empty": False, "c32": {"ttfa_p50": t}} for t in (0.4, 0.5)]
+    assert measured([cold, *warm]) == warm
+    assert measured([cold]) == [cold]
+
