@@ -6,12 +6,10 @@ it gives is isolation: an engine that dies (a driver fault, the OOM killer) leav
 answering, /health says "dead" and every open stream ends with an error event.
 
 NOTE (why it is not the default): it was built to take the event loop's work off the runtime's
-interpreter lock at c32, but py-spy on the H200 showed the server's loop busy only ~6% of a c32
-round, and the process costs two more thread hand-overs per request (engine: pipe reader ->
-preparation pool; server: pipe reader -> event loop), each waiting for a lock that a busy thread
-holds for up to the 5 ms switch interval: c32 TTFT p50 0.28-0.30 s against 0.13-0.15 s in one
-process, audio-s/s 74.5 against 74.8-77.6 (benchmarks/results/
-serving_h200_engine_process_session24_issue24_2026-11-29.json).
+interpreter lock at c32. Once a request crossed the pipe once (PrepareCall.run) and this process
+ran at the server's GIL switch interval, it was as fast as one process at c32 on the H200, but
+its start took 8-10 s longer (benchmarks/results/
+serving_h200_same_machine_engine_process_session32_issue24_2026-11-29.json).
 
 EngineClient (engine_client.py) has the surface of AsyncOmniLLM that the server uses
 (prepare, run, abort, preparing, warmup, shutdown, runtime for /health and /metrics, the
