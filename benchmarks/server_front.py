@@ -10,6 +10,8 @@ tokens. Per side and round:
     (the engine side: until its last start() call);
   - the event loop's thread CPU time per request over the whole round (the streams included);
   - wall time of the round.
+A third side, `fastapi_routes`, is the same app with its POST requests served by FastAPI's
+route handling (the plain routes of server._post taken out: the path before session 32).
 The app is called as uvicorn calls it, without sockets (uvicorn's HTTP parsing is not in it);
 both sides share one engine on the embedded tiny model. As under `omnistage serve`: the GIL
 switch interval is the server's (ServerConfig.switch_interval_ms), and INFO log records are
@@ -26,6 +28,8 @@ import logging
 import os
 import statistics
 import time
+
+from starlette.routing import Route
 
 from benchmarks.common import write_result
 from omnistage.entrypoints import bench
@@ -129,10 +133,16 @@ def main() -> None:
                     | {"switch_interval_ms": config.switch_interval_ms}}
 
     async def run() -> None:
-        app = build_app(llm, config)
-        async with app.router.lifespan_context(app):
+        app, fastapi_routes = build_app(llm, config), build_app(llm, config)
+        fastapi_routes.router.routes[:] = [r for r in fastapi_routes.router.routes
+                                           if not (type(r) is Route and "POST" in r.methods)]
+        async with app.router.lifespan_context(app), \
+                fastapi_routes.router.lifespan_context(fastapi_routes):
             result["server_app"] = await measure(
                 llm, lambda i: app_request(app, bench.chat_body(cfg, i)), args, starts)
+            result["fastapi_routes"] = await measure(
+                llm, lambda i: app_request(fastapi_routes, bench.chat_body(cfg, i)), args,
+                starts)
         result["engine"] = await measure(
             llm, lambda i: engine_request(llm, bench.chat_body(cfg, i)), args, starts)
 
@@ -140,9 +150,11 @@ def main() -> None:
         asyncio.run(run())
     finally:
         llm.shutdown()
-    result["server_over_engine"] = {
-        k: round(result["server_app"][k] / result["engine"][k], 3)
-        for k in ("ingestion_ms", "loop_cpu_ms_per_request", "wall_ms") if result["engine"][k]}
+    for name, top, bottom in (("server_over_engine", "server_app", "engine"),
+                              ("server_over_fastapi_routes", "server_app", "fastapi_routes")):
+        result[name] = {k: round(result[top][k] / result[bottom][k], 3)
+                        for k in ("ingestion_ms", "loop_cpu_ms_per_request", "wall_ms")
+                        if result[bottom][k]}
     write_result(result, args.out, load)
 
 

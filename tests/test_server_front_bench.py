@@ -16,12 +16,12 @@ def test_both_sides_measured(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    for side in ("server_app", "engine"):
+    for side in ("server_app", "fastapi_routes", "engine"):
         assert len(result[side]["rounds"]) == 2
         for key in ("ingestion_ms", "loop_cpu_ms_per_request", "wall_ms"):
             assert result[side][key] > 0, (side, key)
-    assert set(result["server_over_engine"]) == {"ingestion_ms", "loop_cpu_ms_per_request",
-                                                 "wall_ms"}
+    for ratio in ("server_over_engine", "server_over_fastapi_routes"):
+        assert set(result[ratio]) == {"ingestion_ms", "loop_cpu_ms_per_request", "wall_ms"}
     assert result["config"]["switch_interval_ms"] == 0.5
 
 

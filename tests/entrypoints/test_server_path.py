@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute
+from starlette.routing import Route
 
 from omnistage import AsyncOmniLLM
 from omnistage.entrypoints.async_llm import Mailbox
@@ -201,6 +203,31 @@ def test_concurrent_streams_record_their_timeline_in_order(served):
 
 
 # ------------------------------------------------------------------ warm-up
+def test_post_requests_skip_fastapis_request_handling(served):
+    """Every POST endpoint is served by a plain Starlette route placed ahead of the FastAPI
+    route that declares its typed body to the OpenAPI document (server._post says why): a
+    request never reaches FastAPI's handler, and the document still types the body."""
+    app = build_app(served[2], ServerConfig(served_model_names=[NAME]))
+    posts = [p for p, ops in app.openapi()["paths"].items() if "post" in ops]
+    assert len(posts) == 5
+    for path in posts:
+        first, *rest = [r for r in app.router.routes if getattr(r, "path", None) == path]
+        assert type(first) is Route and first.methods >= {"POST"}, path
+        assert [type(r) for r in rest] == [APIRoute], path
+        rest[0].app = None  # (a request reaching it would fail with a 500)
+
+    async def ask() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": NAME, "max_tokens": 2, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Hi"}]})
+
+    reply = asyncio.run(ask())
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
 def test_warmup_prepares_on_every_preparation_thread(served):
     llm = served[2]
     assert llm.warmup() is not None
