@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import statistics
@@ -32,47 +31,21 @@ import time
 from starlette.routing import Route
 
 from benchmarks.common import write_result
+from omnistage import SamplingParams
 from omnistage.entrypoints import bench
-
-
-def chat_scope(raw: bytes) -> dict:
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(raw)).encode())]
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
-            "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+from omnistage.entrypoints.openai.server import post_in_process
 
 
 async def app_request(app, body: dict) -> int:
-    """One request through the ASGI app; returns the bytes of its response body."""
-    raw = json.dumps(body).encode()
-    sent, never, size, status = False, asyncio.Event(), 0, 0
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await never.wait()  # (the client stays)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        nonlocal size, status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        else:
-            size += len(message.get("body", b""))
-
-    await app(chat_scope(raw), receive, send)
+    """One request through the ASGI app; returns the bytes of its answer."""
+    status, answer = await post_in_process(app, "/v1/chat/completions", body)
     if status != 200:
-        raise RuntimeError(f"status {status}")
-    return size
+        raise RuntimeError(f"status {status}: {answer[-300:]!r}")
+    return len(answer)
 
 
 async def engine_request(llm, body: dict) -> int:
     """The same request through AsyncOmniLLM.start() directly."""
-    from omnistage import SamplingParams
     params = {"thinker": SamplingParams(temperature=0.0, max_tokens=body["max_tokens"],
                                         ignore_eos=True, seed=body["seed"])}
     _, outputs = await llm.start({"messages": body["messages"]}, params, ["text"])
@@ -82,7 +55,7 @@ async def engine_request(llm, body: dict) -> int:
     return tokens
 
 
-async def measure(llm, send, args, starts: list[float]) -> dict:
+async def measure(send, args, starts: list[float]) -> dict:
     rounds = []
     for r in range(args.warmup + args.rounds):
         starts.clear()
@@ -139,12 +112,12 @@ def main() -> None:
         async with app.router.lifespan_context(app), \
                 fastapi_routes.router.lifespan_context(fastapi_routes):
             result["server_app"] = await measure(
-                llm, lambda i: app_request(app, bench.chat_body(cfg, i)), args, starts)
+                lambda i: app_request(app, bench.chat_body(cfg, i)), args, starts)
             result["fastapi_routes"] = await measure(
-                llm, lambda i: app_request(fastapi_routes, bench.chat_body(cfg, i)), args,
+                lambda i: app_request(fastapi_routes, bench.chat_body(cfg, i)), args,
                 starts)
         result["engine"] = await measure(
-            llm, lambda i: engine_request(llm, bench.chat_body(cfg, i)), args, starts)
+            lambda i: engine_request(llm, bench.chat_body(cfg, i)), args, starts)
 
     try:
         asyncio.run(run())

@@ -289,6 +289,16 @@ class EngineClient:
                       output_modalities: list[str] | None = None,
                       request_id: str | None = None) -> EngineRequest:
         """AsyncOmniLLM.prepare() in the engine process; returns its handle."""
+        fut = self._send_preparation(prompt, sampling_params, output_modalities, request_id)
+        # shielded: a cancelled caller leaves the future to the reader, and the handle it
+        # makes is dropped (and so forgotten in the engine) with nobody holding it
+        return await asyncio.shield(asyncio.wrap_future(fut))
+
+    def _send_preparation(self, prompt: Any, sampling_params: Any,
+                          output_modalities: list[str] | None, request_id: str | None,
+                          stream: tuple | None = None) -> Future:
+        """A PrepareCall sent (with a stream, a start()'s: run there once prepared); the
+        future gets its EngineRequest."""
         check_request_id(request_id)
         if self._closing:
             raise RuntimeShutDown("the omnistage runtime was shut down")
@@ -296,11 +306,10 @@ class EngineClient:
         with self._lock:
             self._preparing += 1
         fut = self._call(lambda call: PrepareCall(call, handle, prompt, sampling_params,
-                                                  output_modalities, request_id), handle)
+                                                  output_modalities, request_id,
+                                                  run=stream is not None), handle, stream)
         fut.add_done_callback(self._prepare_done)
-        # shielded: a cancelled caller leaves the future to the reader, and the handle it
-        # makes is dropped (and so forgotten in the engine) with nobody holding it
-        return await asyncio.shield(asyncio.wrap_future(fut))
+        return fut
 
     def _prepare_done(self, _: Future) -> None:
         with self._lock:
@@ -315,18 +324,9 @@ class EngineClient:
         then run() cost a second round trip through both processes' busy threads). admit(req)
         runs here when the answer comes, so after the submission: a refusal aborts the request
         there and raises NotAdmitted. A caller cancelled before the answer aborts it too."""
-        check_request_id(request_id)
-        if self._closing:
-            raise RuntimeShutDown("the omnistage runtime was shut down")
-        handle = next(self._handles)
         queue: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
-        stream = (self.mailbox(asyncio.get_running_loop()), queue)
-        with self._lock:
-            self._preparing += 1
-        fut = self._call(lambda call: PrepareCall(call, handle, prompt, sampling_params,
-                                                  output_modalities, request_id, run=True),
-                         handle, stream)
-        fut.add_done_callback(self._prepare_done)
+        fut = self._send_preparation(prompt, sampling_params, output_modalities, request_id,
+                                     (self.mailbox(asyncio.get_running_loop()), queue))
         try:
             req = await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:  # it runs there once prepared: abort it when it is

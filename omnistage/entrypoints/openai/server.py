@@ -116,9 +116,9 @@ def _post(app: FastAPI, path: str, body: type[BaseModel],
     document (its typed body, which the schema fuzzing reads) by a FastAPI route with the same
     endpoint that no request reaches: the plain route comes first in the router. Every POST
     endpoint parses its own body, so FastAPI's per-request handling (its request handler,
-    dependency solving, exit stacks) added nothing but time: a burst of 32 streamed chat
-    requests reached the engine 40% sooner without it (benchmarks/server_front.py, CPU). The
-    app's exception handlers and middleware apply as before."""
+    dependency solving, exit stacks) added nothing but time, before a burst's requests reached
+    the engine (benchmarks/server_front.py measures both). The app's exception handlers and
+    middleware apply as before."""
     def register(endpoint: Callable) -> Callable:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
         app.add_api_route(path, endpoint, methods=["POST"],
@@ -286,6 +286,43 @@ def log_placement(llm) -> None:
     log.info(msg)
 
 
+async def post_in_process(app: FastAPI, path: str, body: dict, api_key: str | None = None
+                          ) -> tuple[int, bytes]:
+    """POST `body` as JSON to `app` as uvicorn calls it, without a socket; the client never
+    leaves (a receive after the body waits). Returns the status and the whole answer."""
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(raw)).encode())]
+    if api_key:
+        headers.append((b"authorization", f"Bearer {api_key}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    sent = False
+    never = asyncio.Event()
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    status, chunks = 0, []
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)
+
+
 async def warm_up_http(app: FastAPI) -> float:
     """One short streamed request through the whole app, in this process (no socket): the
     middleware, body parsing, the handler, the preparation pool, the runtime, the SSE writer
@@ -311,38 +348,9 @@ async def warm_up_http(app: FastAPI) -> float:
                 "ignore_eos": True} for n in later}
     else:
         body["prompt"] = WARMUP_PROMPT
-    raw = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(raw)).encode())]
-    if state.config.api_key:
-        headers.append((b"authorization", f"Bearer {state.config.api_key}".encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "headers": headers,
-             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
-    sent = False
-    never = asyncio.Event()  # the client never leaves: later receives wait
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await never.wait()
-        return {"type": "http.disconnect"}
-
-    status, chunks = 0, []
-
-    async def send(message: dict) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
     t0 = time.perf_counter()
-    await app(scope, receive, send)
-    text = b"".join(chunks).decode("utf-8", "replace")
+    status, answer = await post_in_process(app, path, body, state.config.api_key)
+    text = answer.decode("utf-8", "replace")
     if status != 200 or not text.rstrip().endswith("data: [DONE]") or '"error"' in text:
         raise RuntimeError(f"HTTP warm-up request failed: status {status}: {text[-500:]}")
     return time.perf_counter() - t0
