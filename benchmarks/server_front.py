@@ -8,10 +8,14 @@ later by about that much (benchmarks.serving on the H200, session 32). Each roun
 tokens. Per side and round:
   - ingestion: from the burst's start until its last request entered AsyncOmniLLM.start()
     (the engine side: until its last start() call);
+  - first event, p50 over the burst: from the burst's start until a request's first body
+    bytes were sent (its role event, which waits for the first token; the engine side: its
+    first output);
   - the event loop's thread CPU time per request over the whole round (the streams included);
   - wall time of the round.
-A third side, `fastapi_routes`, is the same app with its POST requests served by FastAPI's
-route handling (the plain routes of server._post taken out: the path before session 32).
+A third side, `fastapi_routes`, is the same app with its POST requests served through
+FastAPI's middleware and route handling (server._App's direct path taken out: the path before
+session 32).
 The app is called as uvicorn calls it, without sockets (uvicorn's HTTP parsing is not in it);
 both sides share one engine on the embedded tiny model. As under `omnistage serve`: the GIL
 switch interval is the server's (ServerConfig.switch_interval_ms), and INFO log records are
@@ -28,31 +32,38 @@ import os
 import statistics
 import time
 
-from starlette.routing import Route
-
 from benchmarks.common import write_result
 from omnistage import SamplingParams
 from omnistage.entrypoints import bench
 from omnistage.entrypoints.openai.server import post_in_process
 
 
-async def app_request(app, body: dict) -> int:
-    """One request through the ASGI app; returns the bytes of its answer."""
-    status, answer = await post_in_process(app, "/v1/chat/completions", body)
+async def app_request(app, body: dict) -> float:
+    """One request through the ASGI app; returns when its first body bytes were sent."""
+    firsts: list[float] = []
+
+    def first(_: bytes) -> None:
+        if not firsts:
+            firsts.append(time.perf_counter())
+
+    status, answer = await post_in_process(app, "/v1/chat/completions", body, on_chunk=first)
     if status != 200:
         raise RuntimeError(f"status {status}: {answer[-300:]!r}")
-    return len(answer)
+    return firsts[0]
 
 
-async def engine_request(llm, body: dict) -> int:
-    """The same request through AsyncOmniLLM.start() directly."""
+async def engine_request(llm, body: dict) -> float:
+    """The same request through AsyncOmniLLM.start() directly; returns when its first output
+    came."""
     params = {"thinker": SamplingParams(temperature=0.0, max_tokens=body["max_tokens"],
                                         ignore_eos=True, seed=body["seed"])}
     _, outputs = await llm.start({"messages": body["messages"]}, params, ["text"])
-    tokens = 0
-    async for out in outputs:
-        tokens = len(out.token_ids)
-    return tokens
+    first = None
+    async for _ in outputs:
+        first = first or time.perf_counter()
+    if first is None:
+        raise RuntimeError("no output")
+    return first
 
 
 async def measure(send, args, starts: list[float]) -> dict:
@@ -60,10 +71,11 @@ async def measure(send, args, starts: list[float]) -> dict:
     for r in range(args.warmup + args.rounds):
         starts.clear()
         cpu, t0 = time.thread_time(), time.perf_counter()
-        await asyncio.gather(*[send(i) for i in range(args.requests)])
+        firsts = await asyncio.gather(*[send(i) for i in range(args.requests)])
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu
         if r >= args.warmup:
             rounds.append({"ingestion_ms": (max(starts) - t0) * 1e3,
+                           "first_event_p50_ms": (statistics.median(firsts) - t0) * 1e3,
                            "loop_cpu_ms_per_request": cpu / args.requests * 1e3,
                            "wall_ms": wall * 1e3})
     return {k: round(statistics.median([r[k] for r in rounds]), 3) for k in rounds[0]} | {
@@ -107,8 +119,7 @@ def main() -> None:
 
     async def run() -> None:
         app, fastapi_routes = build_app(llm, config), build_app(llm, config)
-        fastapi_routes.router.routes[:] = [r for r in fastapi_routes.router.routes
-                                           if not (type(r) is Route and "POST" in r.methods)]
+        fastapi_routes.posts = {}  # (every request through FastAPI's stack and routes)
         async with app.router.lifespan_context(app), \
                 fastapi_routes.router.lifespan_context(fastapi_routes):
             result["server_app"] = await measure(
@@ -126,7 +137,8 @@ def main() -> None:
     for name, top, bottom in (("server_over_engine", "server_app", "engine"),
                               ("server_over_fastapi_routes", "server_app", "fastapi_routes")):
         result[name] = {k: round(result[top][k] / result[bottom][k], 3)
-                        for k in ("ingestion_ms", "loop_cpu_ms_per_request", "wall_ms")
+                        for k in ("ingestion_ms", "first_event_p50_ms",
+                                  "loop_cpu_ms_per_request", "wall_ms")
                         if result[bottom][k]}
     write_result(result, args.out, load)
 

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi.routing import APIRoute
-from starlette.routing import Route
 
 from omnistage import AsyncOmniLLM
 from omnistage.entrypoints.async_llm import Mailbox
@@ -204,28 +203,41 @@ def test_concurrent_streams_record_their_timeline_in_order(served):
 
 # ------------------------------------------------------------------ warm-up
 def test_post_requests_skip_fastapis_request_handling(served):
-    """Every POST endpoint is served by a plain Starlette route placed ahead of the FastAPI
-    route that declares its typed body to the OpenAPI document (server._post says why): a
-    request never reaches FastAPI's handler, and the document still types the body."""
-    app = build_app(served[2], ServerConfig(served_model_names=[NAME]))
+    """Every POST endpoint is called directly behind omnistage's middleware (server._App says
+    why): a request reaches neither Starlette's middleware stack nor the FastAPI route that
+    declares its typed body to the OpenAPI document, and it is still counted, guarded and
+    streamed."""
+    app = build_app(served[2], ServerConfig(served_model_names=[NAME], api_key="k"))
     posts = [p for p, ops in app.openapi()["paths"].items() if "post" in ops]
-    assert len(posts) == 5
+    assert sorted(posts) == sorted(app.posts) and len(posts) == 5
     for path in posts:
-        first, *rest = [r for r in app.router.routes if getattr(r, "path", None) == path]
-        assert type(first) is Route and first.methods >= {"POST"}, path
-        assert [type(r) for r in rest] == [APIRoute], path
-        rest[0].app = None  # (a request reaching it would fail with a 500)
+        routes = [r for r in app.router.routes if getattr(r, "path", None) == path]
+        assert [type(r) for r in routes] == [APIRoute], path
+        routes[0].app = None  # (a request reaching it would fail with a 500)
 
-    async def ask() -> httpx.Response:
+    def unreachable(*_):
+        raise AssertionError("a POST went through the middleware stack")
+
+    async def ask() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://test") as client:
-            return await client.post("/v1/chat/completions", json={
-                "model": NAME, "max_tokens": 2, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "Hi"}]})
+            app.middleware_stack = unreachable  # (what Starlette.__call__ would run)
+            body = {"model": NAME, "max_tokens": 2, "ignore_eos": True, "stream": True,
+                    "messages": [{"role": "user", "content": "Hi"}]}
+            return [await client.post("/v1/chat/completions", json=body,
+                                      headers={"Authorization": "Bearer k"}),
+                    await client.post("/v1/chat/completions", json=body),
+                    await client.post("/v1/chat/completions", json={**body, "n": 0},
+                                      headers={"Authorization": "Bearer k"})]
 
-    reply = asyncio.run(ask())
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == 2
+    streamed, no_key, bad = asyncio.run(ask())
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    counted = app.state.omni.metrics.render().decode()
+    for status in ("ok", "401", "400"):
+        assert f'endpoint="chat",status="{status}"' in counted, status
 
 
 def test_warmup_prepares_on_every_preparation_thread(served):

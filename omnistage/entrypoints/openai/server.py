@@ -33,7 +33,6 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from omnistage.entrypoints.base import WARMUP_LATER_TOKENS, WARMUP_PROMPT, WARMUP_TOKENS
 from omnistage.entrypoints.openai.metrics import RequestCounter
@@ -110,17 +109,52 @@ def _request_body(model: type[BaseModel], media_type: str = "application/json") 
     return {"requestBody": {"required": True, "content": {media_type: {"schema": ref}}}}
 
 
-def _post(app: FastAPI, path: str, body: type[BaseModel],
+class _App(FastAPI):
+    """FastAPI for every route but the POST endpoints (`posts`: path -> endpoint), which are
+    called directly behind omnistage's own middleware (RequestCounter, then _Guard), with the
+    app's exception handlers. Every POST endpoint parses its own body, so the layers of
+    Starlette and FastAPI around a route (error and exception middleware, FastAPI's own
+    middleware, routing, its request handler, exit stacks) and the streaming response's
+    disconnect listener added nothing but event-loop time per request, before a burst's
+    requests reached the engine and before their first events went out
+    (benchmarks/server_front.py measures this path against FastAPI's). Their FastAPI routes
+    stay in the router only to declare the typed bodies in the OpenAPI document."""
+
+    posts: dict[str, Callable]
+    post_stack: Callable  # RequestCounter(_Guard(self._serve_post))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and \
+                scope["path"] in self.posts:
+            scope["app"] = self
+            return await self.post_stack(scope, receive, send)
+        await super().__call__(scope, receive, send)
+
+    async def _serve_post(self, scope, receive, send) -> None:
+        request = Request(scope, receive, send)
+        try:
+            response = await self.posts[scope["path"]](request)
+        except Exception as e:  # noqa: BLE001 - answered by the app's handler for its type
+            response = await self._handle(request, e)
+        await response(scope, receive, send)
+
+    async def _handle(self, request: Request, error: Exception) -> Response:
+        """The answer of the app's exception handler for `error`'s nearest type (Exception's:
+        a logged 500), as Starlette's middleware would choose it."""
+        for cls in type(error).__mro__:
+            handler = self.exception_handlers.get(cls)
+            if handler is not None:
+                return await handler(request, error)
+        raise error
+
+
+def _post(app: _App, path: str, body: type[BaseModel],
           media_type: str = "application/json") -> Callable:
-    """Decorator: POST `path` served by a plain Starlette route, and declared to the OpenAPI
+    """Decorator: POST `path` served by `endpoint` (see _App), and declared to the OpenAPI
     document (its typed body, which the schema fuzzing reads) by a FastAPI route with the same
-    endpoint that no request reaches: the plain route comes first in the router. Every POST
-    endpoint parses its own body, so FastAPI's per-request handling (its request handler,
-    dependency solving, exit stacks) added nothing but time, before a burst's requests reached
-    the engine (benchmarks/server_front.py measures both). The app's exception handlers and
-    middleware apply as before."""
+    endpoint that no request reaches."""
     def register(endpoint: Callable) -> Callable:
-        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+        app.posts[path] = endpoint
         app.add_api_route(path, endpoint, methods=["POST"],
                           openapi_extra=_request_body(body, media_type))
         return endpoint
@@ -170,8 +204,9 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         yield
         state.draining = True
 
-    app = FastAPI(title="omnistage", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = _App(title="omnistage", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.omni = state
+    app.posts = {}
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -250,6 +285,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     _add_body_schemas(app)
     app.add_middleware(_Guard, config=config)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: sees the guard's too
+    app.post_stack = RequestCounter(_Guard(app._serve_post, config), state.metrics)
     return app
 
 
@@ -286,10 +322,12 @@ def log_placement(llm) -> None:
     log.info(msg)
 
 
-async def post_in_process(app: FastAPI, path: str, body: dict, api_key: str | None = None
+async def post_in_process(app: FastAPI, path: str, body: dict, api_key: str | None = None,
+                          on_chunk: Callable[[bytes], None] | None = None
                           ) -> tuple[int, bytes]:
     """POST `body` as JSON to `app` as uvicorn calls it, without a socket; the client never
-    leaves (a receive after the body waits). Returns the status and the whole answer."""
+    leaves (a receive after the body waits). Returns the status and the whole answer;
+    `on_chunk` sees each body message's bytes as it is sent."""
     raw = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(raw)).encode())]
@@ -318,6 +356,8 @@ async def post_in_process(app: FastAPI, path: str, body: dict, api_key: str | No
             status = message["status"]
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
+            if on_chunk is not None:
+                on_chunk(chunks[-1])
 
     await app(scope, receive, send)
     return status, b"".join(chunks)

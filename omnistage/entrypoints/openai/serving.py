@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import soundfile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from omnistage.entrypoints.async_llm import NotAdmitted, RequestOutputs, RuntimeShutDown
@@ -486,7 +486,9 @@ def close_stream(state: ServerState, stream: RequestStream, rid: str, endpoint: 
 
 class ManagedStreamingResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however it ends (done, error, disconnect, or
-    never started)."""
+    never started). It streams without Starlette's disconnect listener (a task group and a
+    task per response, on the event loop): its content reads a RequestStream, which polls the
+    client and aborts the request when it has gone."""
 
     def __init__(self, content, on_close, **kwargs) -> None:
         super().__init__(content, **kwargs)
@@ -494,7 +496,9 @@ class ManagedStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except OSError as e:  # (a server on ASGI spec 2.4 says so: the client has gone)
+            raise ClientDisconnect() from e
         finally:
             self._on_close()
 
