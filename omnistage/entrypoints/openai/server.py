@@ -4,9 +4,10 @@ Routes: POST /v1/chat/completions, /v1/completions, /v1/audio/speech, /v1/audio/
 (multipart), /v1/images/generations (image pipelines; they answer 400 on the others),
 GET /v1/models[/{id}], GET /health, GET /metrics.
 Every error is OpenAI's JSON ({"error": {message, type, param, code}}). An ASGI guard in front
-checks the API key (/v1 routes) and the body size before any route runs. The POST routes parse
-their body themselves (a 400 naming the field, never FastAPI's 422); their pydantic models are
-still the request bodies of app.openapi(), for clients and schema-driven fuzzers.
+checks the API key (/v1 routes) and the body size before any route runs. The POST endpoints
+parse their body themselves (a 400 naming the field, never FastAPI's 422) and are called
+directly behind that guard (_App); their pydantic models are still the request bodies of
+app.openapi(), for clients and schema-driven fuzzers.
 SIGTERM/SIGINT: stop accepting, refuse new requests with 503, let running ones finish for up
 to `shutdown_timeout` seconds, end those left (a stream's error event `shutting_down` and
 [DONE], a 503 where no response started), then stop the engine (_DrainingServer)."""
