@@ -14,8 +14,8 @@ tokens. Per side and round:
   - the event loop's thread CPU time per request over the whole round (the streams included);
   - wall time of the round.
 A third side, `fastapi_routes`, is the same app with its POST requests served through
-FastAPI's middleware and route handling (server._App's direct path taken out: the path before
-session 32).
+FastAPI's middleware and route handling (server._App's direct path taken out; its streamed
+responses are the same as the app's).
 The app is called as uvicorn calls it, without sockets (uvicorn's HTTP parsing is not in it);
 both sides share one engine on the embedded tiny model. As under `omnistage serve`: the GIL
 switch interval is the server's (ServerConfig.switch_interval_ms), and INFO log records are
