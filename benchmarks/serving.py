@@ -58,6 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import free_port, stop_server, write_result
 from omnistage.entrypoints import bench
+from omnistage.entrypoints.openai.serving import SWITCH_INTERVAL_MS
 from omnistage.entrypoints.sse_client import HTTPStatusError, SSEClient
 
 # /metrics histograms -> the level's mean, in seconds (the server's path, and its runtime's)
@@ -337,6 +338,9 @@ def run_engine_side(args) -> dict:
     async def go() -> None:
         llm = AsyncOmniLLM(model=model, device=args.device)
         result["load_s"] = round(time.perf_counter() - t0, 2)
+        if args.engine_switch_interval_ms is not None:  # (once built, as the server sets its)
+            sys.setswitchinterval(args.engine_switch_interval_ms / 1e3)
+        result["switch_interval_ms"] = round(sys.getswitchinterval() * 1e3, 3)
         try:
             first = await engine_request(llm, args, 0)
             first_and_warm(result, first, await engine_request(llm, args, 0))
@@ -505,6 +509,10 @@ def main() -> None:
                     "starts alternate A (--server-arg only) and B (these too), A, B, B, A, ...; "
                     "each one's median over its starts, and B over A (e.g. "
                     "--server-arg-b=--switch-interval-ms=5)")
+    ap.add_argument("--engine-switch-interval-ms", type=float, default=None, metavar="MS",
+                    help="the engine side's GIL switch interval once it is built (default: "
+                    "Python's, which AsyncOmniLLM keeps; the server sets its own, "
+                    "--switch-interval-ms): how much of a gap the interval is")
     ap.add_argument("--no-stream", action="store_true",
                     help="the server side's requests not streamed (an A/B of the SSE path's "
                     "cost: the runtime's TTFT / TTFA still come from /metrics)")
@@ -549,6 +557,11 @@ def main() -> None:
         ap.error(f"--repeats: 1..100, got {args.repeats}")
     if not 1 <= args.starts <= 20:
         ap.error(f"--starts: 1..20, got {args.starts}")
+    low, high = SWITCH_INTERVAL_MS  # (the server's bounds)
+    if args.engine_switch_interval_ms is not None and \
+            not low <= args.engine_switch_interval_ms <= high:
+        ap.error(f"--engine-switch-interval-ms: {low}..{high}, got "
+                 f"{args.engine_switch_interval_ms}")
     load = os.getloadavg()
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"},
                     "client_cpus": sorted(os.sched_getaffinity(0))}

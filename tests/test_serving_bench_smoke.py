@@ -32,9 +32,24 @@ def test_both_sides_serve_every_request(tmp_path):
             assert row["audio_seconds"] > 0 and row["ttfa_p50"] > 0, (side, level, row)
             assert row["runtime_ttft_mean"] is not None, (side, level, row)
         assert result[side]["first_request"]["audio_s"] > 0
+    assert result["engine"]["switch_interval_ms"] == 5.0  # (Python's: AsyncOmniLLM keeps it)
     assert result["server"]["startup_to_health_s"] > 0
     assert result["server"]["c2"]["server_ttfa_mean"] is not None  # from the server's /metrics
     assert set(result["server_over_engine"]["c2"]) >= {"ttfa_p50", "audio_seconds_per_second"}
+
+
+def test_engine_side_switch_interval(tmp_path):
+    """--engine-switch-interval-ms sets the engine side's GIL switch interval once it is built
+    (as the server sets its own), and the result says which one it ran at."""
+    out = tmp_path / "engine.json"
+    proc = run(tmp_path, "--side", "engine", "--concurrency", "1",
+               "--engine-switch-interval-ms", "0.5", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["engine"]["switch_interval_ms"] == 0.5
+    assert result["engine"]["c1"]["completed"] == 1
+    bad = run(tmp_path, "--side", "engine", "--engine-switch-interval-ms", "0")
+    assert bad.returncode == 2 and "--engine-switch-interval-ms: 0.05..100.0" in bad.stderr
 
 
 def test_a_missing_py_spy_is_named(tmp_path):
