@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omnistage.entrypoints.base import WARMUP_LATER_TOKENS, WARMUP_PROMPT, WARMUP_TOKENS
-from omnistage.entrypoints.openai.metrics import RequestCounter
+from omnistage.entrypoints.openai.metrics import RequestCounter, ServerMetrics
 from omnistage.entrypoints.openai.protocol import (APIError, ChatCompletionRequest,
                                                    CompletionRequest,
                                                    SpeechRequest, error_body, parse_body)
@@ -111,24 +111,31 @@ def _request_body(model: type[BaseModel], media_type: str = "application/json") 
 
 
 class _App(FastAPI):
-    """FastAPI for every route but the POST endpoints (`posts`: path -> endpoint), which are
-    called directly behind omnistage's own middleware (RequestCounter, then _Guard), with the
-    app's exception handlers. Every POST endpoint parses its own body, so the layers of
-    Starlette and FastAPI around a route (error and exception middleware, FastAPI's own
-    middleware, routing, its request handler, exit stacks) and the streaming response's
-    disconnect listener added nothing but event-loop time per request, before a burst's
-    requests reached the engine and before their first events went out
-    (benchmarks/server_front.py measures this path against FastAPI's). Their FastAPI routes
-    stay in the router only to declare the typed bodies in the OpenAPI document."""
+    """FastAPI behind omnistage's own middleware (RequestCounter, then _Guard), which every
+    request passes once; then the POST endpoints (`posts`: path -> endpoint) are called
+    directly, with the app's exception handlers, and every other request goes on through
+    FastAPI. Every POST endpoint parses its own body, so the layers of Starlette and FastAPI
+    around a route (error and exception middleware, FastAPI's own middleware, routing, its
+    request handler, exit stacks) and the streaming response's disconnect listener added
+    nothing but event-loop time per request, before a burst's requests reached the engine and
+    before their first events went out (benchmarks/server_front.py measures this path against
+    FastAPI's). Their FastAPI routes stay in the router only to declare the typed bodies in
+    the OpenAPI document."""
 
-    posts: dict[str, Callable]
-    post_stack: Callable  # RequestCounter(_Guard(self._serve_post))
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.posts: dict[str, Callable] = {}
+        # (the counter outermost: it counts the guard's refusals too)
+        self.front = RequestCounter(_Guard(self._dispatch, config), metrics)
 
     async def __call__(self, scope, receive, send) -> None:
+        await self.front(scope, receive, send)
+
+    async def _dispatch(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and \
                 scope["path"] in self.posts:
             scope["app"] = self
-            return await self.post_stack(scope, receive, send)
+            return await self._serve_post(scope, receive, send)
         await super().__call__(scope, receive, send)
 
     async def _serve_post(self, scope, receive, send) -> None:
@@ -205,9 +212,9 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         yield
         state.draining = True
 
-    app = _App(title="omnistage", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = _App(config, state.metrics, title="omnistage", lifespan=lifespan, docs_url=None,
+               redoc_url=None)
     app.state.omni = state
-    app.posts = {}
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -284,9 +291,6 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
     register_realtime(app, state)  # GET /v1/realtime (WebSocket) and the page at /
     _add_body_schemas(app)
-    app.add_middleware(_Guard, config=config)
-    app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: sees the guard's too
-    app.post_stack = RequestCounter(_Guard(app._serve_post, config), state.metrics)
     return app
 
 
